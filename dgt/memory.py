@@ -1,0 +1,40 @@
+"""Error feedback: what a worker remembers of the gradient that did not reach the merge.
+
+The server's reply says which UDP fragments of this worker were not merged; the worker keeps
+exactly those values and adds them to the next gradient of the same part.  So every value a
+worker pushes is eventually merged or still held here: ``sum(merged) + residual == sum(pushed)``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Hashable
+
+import numpy as np
+
+__all__ = ["ResidualMemory"]
+
+
+class ResidualMemory:
+    __slots__ = ("_residuals",)
+
+    def __init__(self):
+        self._residuals: Dict[Hashable, np.ndarray] = {}
+
+    def compensate(self, key: Hashable, flat: np.ndarray) -> np.ndarray:
+        """``flat`` plus what is owed for ``key`` (a new array when something is owed)."""
+        residual = self._residuals.pop(key, None)
+        if residual is None:
+            return flat
+        return (flat.astype(residual.dtype) + residual).astype(flat.dtype, copy=False)
+
+    def remember(self, key: Hashable, sent: np.ndarray, missing: np.ndarray) -> int:
+        """Keep ``sent[missing]`` for the next step; returns how many elements are kept."""
+        count = int(np.count_nonzero(missing))
+        if count:
+            residual = np.zeros(sent.shape, dtype=np.float32)
+            residual[missing] = sent[missing]
+            self._residuals[key] = residual
+        return count
+
+    def owed(self, key: Hashable):
+        """The residual held for ``key``, or None."""
+        return self._residuals.get(key)

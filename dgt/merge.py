@@ -1,0 +1,315 @@
+"""BSP merge of reliable parts and UDP fragments, one merge per (key, part, step).
+
+Sans-I/O: the server feeds decoded messages and a clock value in, and takes closed steps out.
+
+Rule 1 (closing).  Step s of a part closes when every worker's reliable part (PUSH) is in and
+either every UDP datagram each worker announced has arrived, or ``grace_s`` has passed since the
+last PUSH arrived.  The merger never waits on UDP beyond that.
+
+Rule 2 (what is merged).  The merged value is the sum over workers of the reliable blocks plus
+the UDP fragments that arrived before the close.  What happens to the rest depends on the
+receive mode:
+
+* ``drop`` (Heuristic Dropping): a fragment arriving after its step closed is discarded.
+  With error feedback the reply lists, per worker, the UDP fragment slots not merged, so the
+  worker can re-send those values with its next gradient.
+* ``diff`` (Diff-Reception): lost fragments count as zero; a fragment of step s arriving after
+  s closed but before s + 1 closes is added to step s + 1 (a one-step-stale contribution,
+  as in the reference); older ones are discarded.
+* ``rescale``: like ``drop``, but every fragment slot that only d of the N workers delivered
+  is scaled by N / d, an unbiased estimate of the full sum when loss is independent of the
+  value.  Slots nobody delivered stay zero.
+
+Rule 3 (order).  A worker pushes step s + 1 of a part only after it got the reply of step s, so
+at most one step per part is open, plus the next one while late or early datagrams arrive.
+Anything older or further ahead is stale and dropped (that is also what makes a replayed
+datagram harmless).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .errors import RemoteProtocolError
+from .partition import BlockLayout, FragmentLayout
+from .wire import Header, code_dtype
+
+__all__ = ["StepMerger", "ClosedStep", "PartSpec", "Outcome"]
+
+
+class Outcome:
+    """What became of one datagram (counters are keyed by these strings)."""
+
+    MERGED = "merged"
+    LATE_MERGED = "late_merged"  # diff mode: joined the next step
+    LATE_DROPPED = "late_dropped"
+    DUPLICATE = "duplicate"
+    STALE = "stale"  # not the open step nor the next one
+    MISMATCH = "mismatch"  # sizes disagree with the part's known layout
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    n_elems: int
+    dtype_code: int
+    block_elems: int
+    frag_elems: int
+
+    @classmethod
+    def of(cls, header: Header) -> "PartSpec":
+        return cls(header.n_elems, header.dtype, header.block_elems, header.frag_elems)
+
+    def layout(self) -> FragmentLayout:
+        return FragmentLayout(BlockLayout(self.n_elems, self.block_elems), self.frag_elems)
+
+
+def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    if dtype.kind == "f":
+        return np.dtype(np.float64) if dtype.itemsize > 4 else np.dtype(np.float32)
+    return np.dtype(np.int64) if dtype.kind == "i" else np.dtype(np.uint64)
+
+
+@dataclass
+class ClosedStep:
+    key: int
+    part: int
+    step: int
+    merged: np.ndarray  # wire dtype, n_elems
+    missing: Optional[np.ndarray]  # (num_workers, n_slots) bool: UDP slots not merged
+    udp_expected: np.ndarray  # per worker
+    udp_merged: np.ndarray  # per worker
+    udp_late: np.ndarray  # per worker: late datagrams merged here or dropped since last close
+    grace_s: float  # time waited after the last PUSH
+
+
+@dataclass
+class _OpenStep:
+    step: int
+    acc: np.ndarray
+    received: np.ndarray  # (W, n_slots) UDP fragments merged
+    reliable: np.ndarray  # (W, n_blocks) blocks that came in the PUSH
+    pushed: np.ndarray  # (W,) bool
+    udp_expected: np.ndarray
+    late_in: np.ndarray
+    last_push_time: float = 0.0
+
+
+@dataclass
+class _PartState:
+    spec: PartSpec
+    layout: FragmentLayout
+    last_closed: int = -1
+    steps: Dict[int, _OpenStep] = field(default_factory=dict)
+    # diff mode: which late fragments of the last closed step were already taken (dedupe).
+    closed_received: Optional[np.ndarray] = None
+    late_dropped: Optional[np.ndarray] = None
+
+
+class StepMerger:
+    def __init__(self, num_workers: int, receive_mode: str = "drop", grace_s: float = 0.01,
+                 error_feedback: bool = True):
+        if receive_mode not in ("drop", "diff", "rescale"):
+            raise ValueError(f"unknown receive mode {receive_mode!r}")
+        self.num_workers = num_workers
+        self.receive_mode = receive_mode
+        self.grace_s = grace_s
+        self.error_feedback = error_feedback
+        self._parts: Dict[Tuple[int, int], _PartState] = {}
+        self._candidates: set = set()
+        self._deadlines: List[Tuple[float, int, int, int]] = []
+        self.counters: Dict[str, int] = {}
+
+    # -- inputs -----------------------------------------------------------------------------
+    def _part(self, header: Header, create: bool) -> Optional[_PartState]:
+        ident = (header.key, header.part)
+        state = self._parts.get(ident)
+        spec = PartSpec.of(header)
+        if state is None:
+            if not create:
+                return None
+            state = _PartState(spec, spec.layout())
+            state.late_dropped = np.zeros(self.num_workers, dtype=np.int64)
+            self._parts[ident] = state
+        elif state.spec != spec:
+            if create:
+                raise RemoteProtocolError(
+                    f"key {header.key} part {header.part}: layout {spec} differs from the "
+                    f"layout of earlier steps {state.spec}")
+            return None
+        return state
+
+    def _open(self, state: _PartState, step: int) -> _OpenStep:
+        open_step = state.steps.get(step)
+        if open_step is None:
+            lay = state.layout
+            w = self.num_workers
+            open_step = _OpenStep(
+                step=step,
+                acc=np.zeros(lay.blocks.padded_elems,
+                             dtype=_accumulator_dtype(code_dtype(state.spec.dtype_code))),
+                received=np.zeros((w, lay.n_slots), dtype=bool),
+                reliable=np.zeros((w, lay.blocks.n_blocks), dtype=bool),
+                pushed=np.zeros(w, dtype=bool),
+                udp_expected=np.zeros(w, dtype=np.int64),
+                late_in=np.zeros(w, dtype=np.int64))
+            state.steps[step] = open_step
+        return open_step
+
+    def add_push(self, header: Header, blocks: np.ndarray, payload: np.ndarray,
+                 now: float) -> None:
+        """The reliable part of ``header.rank``'s step ``header.step``.
+
+        ``blocks`` are ascending block indices, ``payload`` their values at true lengths
+        (see :meth:`BlockLayout.gather`).  Raises RemoteProtocolError on any inconsistency;
+        nothing is merged then.
+        """
+        rank = header.rank
+        if not 0 <= rank < self.num_workers:
+            raise RemoteProtocolError(f"PUSH from rank {rank}, job has {self.num_workers} workers")
+        state = self._part(header, create=True)
+        if header.step != state.last_closed + 1:
+            raise RemoteProtocolError(
+                f"PUSH of key {header.key}.{header.part} step {header.step} from worker {rank}: "
+                f"expected step {state.last_closed + 1}")
+        layout = state.layout.blocks
+        if len(blocks) and (blocks[0] < 0 or blocks[-1] >= layout.n_blocks
+                            or np.any(np.diff(blocks) <= 0)):
+            raise RemoteProtocolError("PUSH block indices are not ascending and in range")
+        if payload.size != layout.payload_elems(blocks):
+            raise RemoteProtocolError(
+                f"PUSH payload has {payload.size} elements, its {len(blocks)} blocks need "
+                f"{layout.payload_elems(blocks)}")
+        open_step = self._open(state, header.step)
+        if open_step.pushed[rank]:
+            raise RemoteProtocolError(
+                f"second PUSH of key {header.key}.{header.part} step {header.step} from "
+                f"worker {rank}")
+        max_udp = int(state.layout.n_slots)
+        if header.udp_expected > max_udp:
+            raise RemoteProtocolError(f"PUSH announces {header.udp_expected} datagrams, the "
+                                      f"part has {max_udp} fragment slots")
+        # A UDP fragment of a block that the same worker also sent reliably would be counted
+        # twice; only a broken or hostile sender does that.
+        open_step.reliable[rank, blocks] = True
+        dup = open_step.received[rank].reshape(layout.n_blocks, -1)[blocks]
+        if dup.any():
+            raise RemoteProtocolError("PUSH repeats blocks that already arrived over UDP")
+        layout.scatter_add_(open_step.acc, blocks, payload)
+        open_step.pushed[rank] = True
+        open_step.udp_expected[rank] = header.udp_expected
+        open_step.last_push_time = now
+        ident = (header.key, header.part, header.step)
+        self._candidates.add(ident)
+        if open_step.pushed.all():
+            heapq.heappush(self._deadlines, (now + self.grace_s, *ident))
+
+    def add_fragment(self, header: Header, payload, now: float) -> str:
+        """One decoded DATA datagram; returns its :class:`Outcome` (also counted)."""
+        outcome = self._add_fragment(header, payload)
+        self.counters[outcome] = self.counters.get(outcome, 0) + 1
+        return outcome
+
+    def _add_fragment(self, header: Header, payload) -> str:
+        rank = header.rank
+        if not 0 <= rank < self.num_workers:
+            return Outcome.STALE
+        state = self._part(header, create=header.step == 0)
+        if state is None:
+            return Outcome.MISMATCH if (header.key, header.part) in self._parts else Outcome.STALE
+        layout = state.layout
+        slot = header.block * layout.frags_per_block + header.frag
+        step = header.step
+        if step <= state.last_closed:
+            if self.receive_mode == "diff" and step == state.last_closed:
+                taken = state.closed_received
+                if taken is None or taken[rank, slot]:
+                    return Outcome.DUPLICATE
+                taken[rank, slot] = True
+                target = self._open(state, step + 1)
+                target.late_in[rank] += 1
+                self._add_values(target, layout, header, payload)
+                return Outcome.LATE_MERGED
+            state.late_dropped[rank] += 1
+            return Outcome.LATE_DROPPED
+        if step != state.last_closed + 1:
+            return Outcome.STALE
+        open_step = self._open(state, step)
+        if open_step.received[rank, slot] or open_step.reliable[rank, header.block]:
+            return Outcome.DUPLICATE
+        open_step.received[rank, slot] = True
+        self._add_values(open_step, layout, header, payload)
+        self._candidates.add((header.key, header.part, step))
+        return Outcome.MERGED
+
+    @staticmethod
+    def _add_values(open_step: _OpenStep, layout: FragmentLayout, header: Header, payload):
+        start, stop = layout.frag_range(header.block, header.frag)
+        values = np.frombuffer(payload, dtype=code_dtype(header.dtype))
+        open_step.acc[start:stop] += values
+
+    # -- outputs ----------------------------------------------------------------------------
+    def next_deadline(self) -> Optional[float]:
+        while self._deadlines:
+            _, key, part, step = self._deadlines[0]
+            state = self._parts.get((key, part))
+            if state is not None and step in state.steps:
+                return self._deadlines[0][0]
+            heapq.heappop(self._deadlines)
+        return None
+
+    def poll(self, now: float) -> List[ClosedStep]:
+        """Close every step that Rule 1 allows to close at time ``now``."""
+        ready = self._candidates
+        self._candidates = set()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            ready.add(heapq.heappop(self._deadlines)[1:])
+        closed = []
+        for key, part, step in sorted(ready):
+            state = self._parts.get((key, part))
+            open_step = state.steps.get(step) if state else None
+            if open_step is None or not open_step.pushed.all():
+                continue
+            complete = bool((open_step.received.sum(axis=1) >= open_step.udp_expected).all())
+            if complete or now >= open_step.last_push_time + self.grace_s:
+                closed.append(self._close(key, part, state, open_step, now))
+        return closed
+
+    def _close(self, key: int, part: int, state: _PartState, open_step: _OpenStep,
+               now: float) -> ClosedStep:
+        layout = state.layout
+        fpb = layout.frags_per_block
+        valid = layout.valid_slots
+        reliable_slots = np.repeat(open_step.reliable, fpb, axis=1)
+        delivered = (open_step.received | reliable_slots) & valid
+        if self.receive_mode == "rescale":
+            counts = delivered.sum(axis=0)
+            partial = (counts > 0) & (counts < self.num_workers)
+            if partial.any():
+                scale = np.ones(layout.n_slots, dtype=np.float64)
+                scale[partial] = self.num_workers / counts[partial]
+                per_elem = np.repeat(scale.reshape(layout.blocks.n_blocks, fpb),
+                                     layout.frag_elems, axis=1)[:, :layout.blocks.block_elems]
+                open_step.acc *= per_elem.reshape(-1).astype(open_step.acc.dtype)
+        missing = None
+        if self.error_feedback:
+            missing = valid & ~delivered
+        wire_dtype = code_dtype(state.spec.dtype_code)
+        merged = open_step.acc[:layout.blocks.n_elems].astype(wire_dtype)
+        late = open_step.late_in + state.late_dropped
+        state.late_dropped = np.zeros(self.num_workers, dtype=np.int64)
+        del state.steps[open_step.step]
+        state.last_closed = open_step.step
+        state.closed_received = delivered if self.receive_mode == "diff" else None
+        # A next step opened early by late (diff) or early datagrams may already be complete.
+        if open_step.step + 1 in state.steps:
+            self._candidates.add((key, part, open_step.step + 1))
+        return ClosedStep(key, part, open_step.step, merged, missing,
+                          open_step.udp_expected.copy(), open_step.received.sum(axis=1),
+                          late, max(0.0, now - open_step.last_push_time))
+
+    def forget(self, key: int, part: int) -> None:
+        """Drop every state of a part (used when a job re-initialises a key)."""
+        self._parts.pop((key, part), None)

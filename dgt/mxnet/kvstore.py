@@ -1,0 +1,287 @@
+"""``mx.kv.create('dgt')``: the MXNet face of :class:`dgt.worker.Worker`.
+
+The only module of dgt that imports mxnet.  It converts NDArrays to numpy on the way out and
+writes results back with NDArray-to-NDArray copies (numpy writes into MKLDNN-layout weights
+fail, see the MXNet notes).  Results are written *asynchronously through MXNet's engine*: each
+``pushpull`` sends at once and enqueues a small custom operator on the output arrays that waits
+for the reply; anything that reads those arrays (the optimizer, ``asnumpy``) waits for it, as
+with MXNet's native kvstore.  Since every push has left before any wait starts, the waits can
+never block one another.
+
+Semantics are those of ``dist_sync``: ``pushpull`` returns the *sum* over workers, broadcast
+returns rank 0's value, and ``type`` contains ``dist`` and ``_sync`` so that Gluon and Module
+treat the store exactly like ``dist_sync`` (batch-size scaling in Module, no kvstore reset).
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import logging
+import pickle
+import threading
+from typing import Dict, Optional
+
+import mxnet as mx
+import numpy as np
+from mxnet.kvstore.base import KVStoreBase
+
+from .. import current_config
+from ..config import Config
+from ..errors import LocalProtocolError
+from ..worker import Pending, Worker
+
+__all__ = ["DGT"]
+
+logger = logging.getLogger(__name__)
+
+_tickets: Dict[int, tuple] = {}
+_ticket_ids = itertools.count()
+_tickets_lock = threading.Lock()
+
+
+class _AwaitResult(mx.operator.CustomOp):
+    """Engine operator: wait for a dgt reply and write it into the output array."""
+
+    def __init__(self, ticket: int):
+        super().__init__()
+        self._ticket = ticket
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        with _tickets_lock:
+            store, pending, shape = _tickets.pop(self._ticket)
+        try:
+            result = pending.wait()
+        except Exception as exc:  # keep the real error for the next kvstore call
+            store._remember_error(exc)
+            raise
+        target = out_data[0]
+        self.assign(target, req[0], mx.nd.array(result.reshape(shape), ctx=target.context,
+                                                dtype=target.dtype))
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        raise RuntimeError("dgt_await has no gradient")
+
+
+@mx.operator.register("dgt_await")
+class _AwaitResultProp(mx.operator.CustomOpProp):
+    def __init__(self, ticket):
+        super().__init__(need_top_grad=False)
+        self._ticket = int(ticket)
+
+    def list_arguments(self):
+        return ["data"]
+
+    def list_outputs(self):
+        return ["output"]
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def infer_type(self, in_type):
+        return in_type, [in_type[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _AwaitResult(self._ticket)
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+@KVStoreBase.register
+class DGT(KVStoreBase):
+    """Differential Gradient Transmission kvstore.
+
+    Created by MXNet with no arguments (``mx.kv.create('dgt')`` or ``kvstore='dgt'``): the
+    configuration comes from the ``DGT_*`` environment (set by ``dgt-launch``) and
+    :func:`dgt.configure`.  ``DGT(config=...)`` is accepted too.
+
+    >>> import dgt, mxnet as mx                      # doctest: +SKIP
+    >>> kv = mx.kv.create('dgt')                     # doctest: +SKIP
+    >>> kv.pushpull(0, mx.nd.ones(4) * (kv.rank + 1))  # sum over workers, in place
+    """
+
+    def __init__(self, config: Optional[Config] = None):
+        super().__init__()
+        self._config = config or current_config()
+        self._worker = Worker(self._config)
+        self._key_ids: Dict[str, int] = {}
+        self._pushed: Dict[int, Pending] = {}
+        self._error: Optional[BaseException] = None
+        self._optimizer = None
+        atexit.register(self.close)
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def type(self) -> str:
+        return "dist_sync_dgt"
+
+    @property
+    def rank(self) -> int:
+        return self._worker.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._worker.num_workers
+
+    @property
+    def worker(self) -> Worker:
+        """The underlying transport (statistics, threshold)."""
+        return self._worker
+
+    def is_capable(self, capability: str) -> bool:
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return True
+        raise ValueError(f"unknown capability {capability!r}; dgt knows "
+                         f"{KVStoreBase.OPTIMIZER!r}")
+
+    # -- data path ----------------------------------------------------------------------------
+    def broadcast(self, key, value, out, priority=0):
+        for k, v, o in self._zip(key, value, out):
+            source = _as_list(v)[0].asnumpy()
+            self._write_when_ready(self._worker.broadcast(self._key_id(k), source), _as_list(o))
+
+    def pushpull(self, key, value, out=None, priority=0):
+        targets = value if out is None else out
+        for k, v, o in self._zip(key, value, targets):
+            pending = self._worker.pushpull(self._key_id(k), self._local_sum(v))
+            self._write_when_ready(pending, _as_list(o))
+
+    def init(self, key, value):
+        for k, v, _ in self._zip(key, value, value):
+            self._worker.init(self._key_id(k), _as_list(v)[0].asnumpy())
+
+    def push(self, key, value, priority=0):
+        for k, v, _ in self._zip(key, value, value):
+            key_id = self._key_id(k)
+            self._pushed[key_id] = self._worker.pushpull(key_id, self._local_sum(v))
+
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        if out is None:
+            raise LocalProtocolError("pull needs `out`")
+        for k, o, _ in self._zip(key, out, out):
+            key_id = self._key_id(k)
+            pending = self._pushed.pop(key_id, None)
+            if pending is None:
+                pending = self._worker.pull(key_id, _as_list(o)[0].asnumpy())
+            self._write_when_ready(pending, _as_list(o))
+
+    # -- control ------------------------------------------------------------------------------
+    def set_optimizer(self, optimizer):
+        """Run ``optimizer`` on the servers; pushes then return updated weights."""
+        self._raise_pending_error()
+        self._optimizer = optimizer
+        self._worker.set_optimizer(pickle.dumps(optimizer, 0))
+
+    def set_gradient_compression(self, compression_params):
+        raise LocalProtocolError(
+            "dgt does its own gradient reduction; MXNet gradient compression cannot be "
+            "combined with it (drop compression_params, or use kvstore='dist_sync')")
+
+    def barrier(self):
+        self._raise_pending_error()
+        self._worker.barrier()
+
+    def _barrier(self):
+        self.barrier()
+
+    def save_optimizer_states(self, fname, dump_optimizer=False):
+        raise LocalProtocolError(
+            "the optimizer states live on the dgt servers and cannot be saved from a worker "
+            "yet (as with MXNet's dist_sync); train with update_on_kvstore=False to keep them "
+            "local, where Trainer.save_states works")
+
+    def load_optimizer_states(self, fname):
+        self.save_optimizer_states(fname)
+
+    def report_loss(self, value: float) -> None:
+        """Feed the training loss to the adaptive threshold (see :func:`dgt.report_loss`)."""
+        self._worker.report_loss(value)
+
+    def close(self) -> None:
+        """Wait for results in flight and leave the job; called at exit automatically."""
+        try:
+            mx.nd.waitall()
+        except Exception:  # noqa: BLE001 - an error already reported by the engine
+            pass
+        self._worker.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _key_id(self, key) -> int:
+        if isinstance(key, str):
+            # Module uses parameter names; ids in first-use order, as MXNet's own stores do,
+            # so the server-side optimizer sees the same indices as with dist_sync.
+            if key not in self._key_ids:
+                self._key_ids[key] = len(self._key_ids)
+            return self._key_ids[key]
+        key = int(key)
+        if self._key_ids and key in self._key_ids.values():
+            raise LocalProtocolError(f"integer key {key} collides with a string key; use one "
+                                     "kind of key per store")
+        return key
+
+    def _zip(self, key, value, out):
+        self._raise_pending_error()
+        if isinstance(key, (list, tuple)):
+            if not (len(key) == len(value) == len(out)):
+                raise LocalProtocolError("key, value and out lists differ in length")
+            return list(zip(key, value, out))
+        return [(key, value, out)]
+
+    @staticmethod
+    def _local_sum(value) -> np.ndarray:
+        arrays = _as_list(value)
+        total = arrays[0].asnumpy()
+        for array in arrays[1:]:
+            total = total + array.asnumpy()
+        return total
+
+    def _write_when_ready(self, pending: Pending, targets) -> None:
+        for target in targets:
+            if pending.done():
+                result = pending.wait()
+                target[:] = mx.nd.array(result.reshape(target.shape), ctx=target.context,
+                                        dtype=target.dtype)
+                continue
+            ticket = next(_ticket_ids)
+            with _tickets_lock:
+                _tickets[ticket] = (self, pending, target.shape)
+            mx.nd.Custom(target, op_type="dgt_await", ticket=str(ticket), out=target)
+
+    def _remember_error(self, error: BaseException) -> None:
+        logger.error("dgt: %s", error)
+        if self._error is None:
+            self._error = error
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def _wrap_create_kvstore(original):
+    """MXNet drops any kvstore *string* without 'dist' when there is one device per worker
+    (and trains locally, silently).  Turn 'dgt' into an instance first."""
+    if getattr(original, "_dgt_wrapped", False):
+        return original
+
+    @functools.wraps(original)
+    def _create_kvstore(kvstore, num_device, arg_params):
+        if isinstance(kvstore, str) and kvstore.lower() == "dgt":
+            kvstore = mx.kv.create(kvstore)
+        return original(kvstore, num_device, arg_params)
+
+    _create_kvstore._dgt_wrapped = True
+    return _create_kvstore
+
+
+def _install():
+    import mxnet.gluon.trainer as trainer_module
+    import mxnet.model as model_module
+    import mxnet.module.module as module_module
+
+    for module in (model_module, trainer_module, module_module):
+        module._create_kvstore = _wrap_create_kvstore(module._create_kvstore)
+
+
+_install()

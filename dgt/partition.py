@@ -1,0 +1,161 @@
+"""Key tensor <-> blocks <-> datagram fragments, and key tensor <-> server parts.
+
+Invariants (pure numpy, no I/O):
+
+* A *part* is the slice of a key's flattened tensor that one server owns.  Tensors with at
+  least ``bigarray_elems`` elements are cut in ``num_servers`` near-equal parts (part i on
+  server i); smaller ones go whole to server ``(key * 9973) % num_servers`` -- the rule MXNet's
+  ``dist_sync`` uses, so load spreads the same way.
+* A *block* is a contiguous run of ``block_elems`` elements of a part; the last block may be
+  shorter.  Blocks are the unit of scoring and of channel choice.
+* A *fragment* is the piece of a block that fits one UDP datagram.  Every full block has
+  ``frags_per_block`` fragment slots; the last block may use fewer.  Fragments are the unit of
+  loss: the server merges whatever fragments arrive and reports the missing ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import List
+
+import numpy as np
+
+__all__ = ["BlockLayout", "FragmentLayout", "Part", "plan_parts"]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Part:
+    """The ``[start, stop)`` slice of a key's flat tensor that server ``server`` owns."""
+
+    server: int
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def n_elems(self) -> int:
+        return self.stop - self.start
+
+
+def plan_parts(n_elems: int, key_id: int, num_servers: int, bigarray_elems: int) -> List[Part]:
+    """Split one key over the servers (see the module docstring)."""
+    if num_servers <= 1 or n_elems < bigarray_elems:
+        return [Part((key_id * 9973) % max(num_servers, 1), 0, 0, n_elems)]
+    bounds = [n_elems * i // num_servers for i in range(num_servers + 1)]
+    return [Part(i, i, bounds[i], bounds[i + 1]) for i in range(num_servers)]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Fixed-size blocks over a flat array of ``n_elems`` elements."""
+
+    n_elems: int
+    block_elems: int
+
+    def __post_init__(self):
+        if self.n_elems < 1 or self.block_elems < 1:
+            raise ValueError(f"BlockLayout needs n_elems >= 1 and block_elems >= 1, got "
+                             f"{self.n_elems}, {self.block_elems}")
+
+    @property
+    def n_blocks(self) -> int:
+        return _ceil_div(self.n_elems, self.block_elems)
+
+    @property
+    def last_block_elems(self) -> int:
+        return self.n_elems - (self.n_blocks - 1) * self.block_elems
+
+    @property
+    def padded_elems(self) -> int:
+        return self.n_blocks * self.block_elems
+
+    @cached_property
+    def block_lengths(self) -> np.ndarray:
+        lengths = np.full(self.n_blocks, self.block_elems, dtype=np.int64)
+        lengths[-1] = self.last_block_elems
+        return lengths
+
+    def block_range(self, block: int):
+        start = block * self.block_elems
+        return start, min(start + self.block_elems, self.n_elems)
+
+    def gather(self, flat: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Concatenate the given blocks (ascending indices) at their true lengths.
+
+        Full blocks are gathered through a 2-D view in one fancy-indexing copy; only the
+        (shorter) last block is appended separately.
+        """
+        last = self.n_blocks - 1
+        full = blocks[blocks < last]
+        n_full = last * self.block_elems
+        rows = flat[:n_full].reshape(last, self.block_elems)[full].reshape(-1)
+        if len(full) == len(blocks):
+            return rows
+        return np.concatenate([rows, flat[n_full:]])
+
+    def scatter_add_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray) -> None:
+        """Inverse of :meth:`gather`: add ``payload`` into ``padded`` (``padded_elems`` long)."""
+        last = self.n_blocks - 1
+        full = blocks[blocks < last]
+        view = padded.reshape(self.n_blocks, self.block_elems)
+        n_rows = len(full) * self.block_elems
+        view[full] += payload[:n_rows].reshape(len(full), self.block_elems)
+        if len(full) != len(blocks):
+            start = last * self.block_elems
+            padded[start:self.n_elems] += payload[n_rows:]
+
+    def payload_elems(self, blocks: np.ndarray) -> int:
+        """Number of elements :meth:`gather` returns for ``blocks``."""
+        return int(self.block_lengths[blocks].sum()) if len(blocks) else 0
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    """Datagram-sized fragments over the blocks of a :class:`BlockLayout`."""
+
+    blocks: BlockLayout
+    frag_elems: int
+
+    def __post_init__(self):
+        if self.frag_elems < 1:
+            raise ValueError(f"frag_elems must be >= 1, got {self.frag_elems}")
+
+    @property
+    def frags_per_block(self) -> int:
+        return _ceil_div(self.blocks.block_elems, self.frag_elems)
+
+    @property
+    def n_slots(self) -> int:
+        return self.blocks.n_blocks * self.frags_per_block
+
+    def frags_in_block(self, block: int) -> int:
+        return _ceil_div(int(self.blocks.block_lengths[block]), self.frag_elems)
+
+    @cached_property
+    def valid_slots(self) -> np.ndarray:
+        """Boolean mask over slots: True where the fragment exists."""
+        valid = np.ones((self.blocks.n_blocks, self.frags_per_block), dtype=bool)
+        valid[-1, self.frags_in_block(self.blocks.n_blocks - 1):] = False
+        return valid.reshape(-1)
+
+    def frag_range(self, block: int, frag: int):
+        """Element range ``[start, stop)`` of fragment ``frag`` of ``block`` within the part."""
+        b_start, b_stop = self.blocks.block_range(block)
+        start = b_start + frag * self.frag_elems
+        return start, min(start + self.frag_elems, b_stop)
+
+    def slots_of_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        """Slot ids (block * frags_per_block + frag) of every existing fragment of ``blocks``."""
+        fpb = self.frags_per_block
+        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * fpb + np.arange(fpb)).reshape(-1)
+        return slots[self.valid_slots[slots]]
+
+    def element_mask(self, slot_mask: np.ndarray) -> np.ndarray:
+        """Expand a boolean mask over slots to a boolean mask over the part's elements."""
+        per_block = np.repeat(slot_mask.reshape(self.blocks.n_blocks, self.frags_per_block),
+                              self.frag_elems, axis=1)[:, :self.blocks.block_elems]
+        return per_block.reshape(-1)[:self.blocks.n_elems]

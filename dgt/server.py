@@ -1,0 +1,390 @@
+"""The dgt parameter server: ``python -m dgt.server`` (configured by environment, see README).
+
+One thread, one event loop over the reliable ZeroMQ ROUTER socket and the UDP socket; every
+decision about steps is taken by :class:`dgt.merge.StepMerger`.  The server imports mxnet only
+when a worker asks it to run the optimizer (``set_optimizer``).
+
+Every malformed, foreign or stale datagram is counted and dropped; a malformed reliable message
+gets an ERROR reply and changes nothing.  The server leaves when every worker said BYE, on
+SIGTERM/SIGINT, or -- with an error -- when steps are open and nothing at all arrived for
+``DGT_TIMEOUT_S`` (a worker died).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import zmq
+
+from .config import Config
+from .errors import ConfigError, DGTError, RemoteProtocolError
+from .merge import ClosedStep, StepMerger
+from .partition import BlockLayout
+from .transport.priority import apply_zmq_priority
+from .transport.udp import UdpReceiver
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_WEIGHTS, NO_RANK, Header, MsgType,
+                   code_dtype, decode_datagram, decode_header, dtype_code, encode_header)
+
+__all__ = ["Server", "main"]
+
+logger = logging.getLogger(__name__)
+
+_UDP_BATCH = 4096  # datagrams read per loop turn, so TCP is never starved by a UDP flood
+
+
+class _Optimizer:
+    """The MXNet optimizer a worker sent, applied as ``dist_sync``'s server does."""
+
+    def __init__(self, blob: bytes):
+        mx = _import_mxnet()
+        import pickle
+
+        optimizer = pickle.loads(blob)  # trusted: comes from a job member over TCP, as in MXNet
+        self._mx = mx
+        self._updater = mx.optimizer.get_updater(optimizer)
+
+    def update(self, key: int, weight, grad: np.ndarray):
+        self._updater(key, self._mx.nd.array(grad, dtype=grad.dtype), weight)
+
+    def to_weight(self, value: np.ndarray):
+        return self._mx.nd.array(value, dtype=value.dtype)
+
+
+def _import_mxnet():
+    # MXNet starts its own ps-lite server at import when DMLC_ROLE=server: hide it.
+    saved = os.environ.pop("DMLC_ROLE", None)
+    try:
+        import mxnet
+    finally:
+        if saved is not None:
+            os.environ["DMLC_ROLE"] = saved
+    return mxnet
+
+
+class Server:
+    """A dgt server bound to ``config.server_addr_list()[config.server_index]``.
+
+    Port 0 binds a free port (tests); :attr:`port` tells which.
+    """
+
+    def __init__(self, config: Config, context: Optional[zmq.Context] = None):
+        self.config = config
+        addrs = config.server_addr_list()
+        port = addrs[config.server_index][1] if addrs else 0
+        self._ctx = context or zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 1000)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        apply_zmq_priority(self._router, config.udp_channels)
+        self._udp, self.port = self._bind(config.bind_host, port)
+        self.merger = StepMerger(config.num_workers, config.receive_mode,
+                                 config.grace_ms / 1000.0, config.error_feedback)
+        self.counters: Counter = Counter()
+        self._identity: Dict[int, bytes] = {}
+        self._rank_of: Dict[bytes, int] = {}
+        self._next_rank = 0
+        self._byes: set = set()
+        self._values: Dict[Tuple[int, int], object] = {}  # numpy, or NDArray weights
+        self._init_gen: Dict[Tuple[int, int], int] = {}
+        self._init_requests: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
+        self._init_seen: Counter = Counter()
+        self._barrier: Dict[int, int] = {}
+        self._optimizer: Optional[_Optimizer] = None
+        self._stop = threading.Event()
+        self._last_activity = time.monotonic()
+
+    def _bind(self, host: str, port: int):
+        """Bind TCP and UDP on the same port number (a free one when ``port`` is 0)."""
+        for _ in range(50):
+            udp = UdpReceiver(host, port, self.config.udp_buffer_bytes)
+            chosen = udp.sock.getsockname()[1]
+            try:
+                self._router.bind(f"tcp://{host}:{chosen}")
+                return udp, chosen
+            except zmq.ZMQError as exc:
+                udp.close()
+                if port:
+                    raise ConfigError(f"server cannot listen on {host}:{port} "
+                                      f"(DGT_SERVER_ADDRS): {exc}") from None
+        raise ConfigError("no free port with both TCP and UDP available")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # == event loop ===========================================================================
+    def run(self) -> int:
+        """Serve until every worker left (0), a stop request (0) or a dead job (1)."""
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._udp.fileno(), zmq.POLLIN)
+        logger.info("server %d listening on %s:%d (tcp+udp) for %d worker(s)",
+                    self.config.server_index, self.config.bind_host, self.port,
+                    self.config.num_workers)
+        code = 0
+        try:
+            while not self._stop.is_set():
+                deadline = self.merger.next_deadline()
+                wait_ms = 500
+                if deadline is not None:
+                    wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
+                events = dict(poller.poll(wait_ms))
+                if events:
+                    self._last_activity = time.monotonic()
+                if self._router in events:
+                    self._drain_tcp()
+                if self._udp.fileno() in events:
+                    self._drain_udp()
+                self._close_steps()
+                if self._everyone_left():
+                    logger.info("every worker left; server %d stops", self.config.server_index)
+                    break
+                if self._job_stalled():
+                    code = 1
+                    break
+        finally:
+            self._log_counters()
+            self._router.close()
+            self._udp.close()
+        return code
+
+    def _everyone_left(self) -> bool:
+        return len(self._byes) >= self.config.num_workers
+
+    def _job_stalled(self) -> bool:
+        idle = time.monotonic() - self._last_activity
+        if idle < self.config.timeout_s or not (self._rank_of and len(self._byes) < len(self._rank_of)):
+            return False
+        logger.error("server %d: no message from any worker for %.0f s while workers are "
+                     "connected (DGT_TIMEOUT_S); a worker probably died. Stopping.",
+                     self.config.server_index, idle)
+        for rank in self._identity:
+            if rank not in self._byes:
+                self._send(rank, Header(MsgType.BYE, job=self.config.job_id, rank=rank))
+        return True
+
+    def _log_counters(self) -> None:
+        counts = dict(self.counters)
+        counts.update({f"udp_{k}": v for k, v in self.merger.counters.items()})
+        logger.info("server %d counters: %s", self.config.server_index, counts)
+
+    # == UDP ==================================================================================
+    def _drain_udp(self) -> None:
+        job = self.config.job_id
+        merger = self.merger
+        now = time.monotonic()
+        for datagram in self._udp.drain(_UDP_BATCH):
+            try:
+                header, payload = decode_datagram(datagram)
+            except RemoteProtocolError as exc:
+                self.counters["udp_malformed"] += 1
+                logger.debug("dropped a malformed datagram: %s", exc)
+                continue
+            if header.job != job:
+                self.counters["udp_foreign"] += 1
+                continue
+            if header.rank not in self._identity:
+                self.counters["udp_unknown_sender"] += 1
+                continue
+            merger.add_fragment(header, payload, now)
+
+    # == TCP ==================================================================================
+    def _drain_tcp(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity, frames = frames[0].bytes, frames[1:]
+            try:
+                header = decode_header(frames[0].buffer)
+            except (RemoteProtocolError, IndexError) as exc:
+                self.counters["tcp_malformed"] += 1
+                logger.warning("dropped a malformed reliable message: %s", exc)
+                continue
+            if header.job != self.config.job_id:
+                self.counters["tcp_foreign"] += 1
+                logger.warning("dropped a message of job %d (this job is %d)", header.job,
+                               self.config.job_id)
+                continue
+            try:
+                self._dispatch(identity, header, frames)
+            except RemoteProtocolError as exc:
+                self.counters["tcp_refused"] += 1
+                logger.warning("refused %s: %s", header.debug_str(), exc)
+                self._router.send_multipart([identity, encode_header(
+                    header._replace(type=MsgType.ERROR)), str(exc).encode()])
+
+    def _dispatch(self, identity: bytes, header: Header, frames) -> None:
+        mtype = header.type
+        if mtype is MsgType.HELLO:
+            self._on_hello(identity, header)
+            return
+        rank = self._rank_of.get(identity)
+        if rank is None or rank != header.rank:
+            raise RemoteProtocolError(f"{mtype.name} from a peer that did not say HELLO as "
+                                      f"rank {header.rank}")
+        if mtype is MsgType.PUSH:
+            self._on_push(header, frames)
+        elif mtype is MsgType.INIT:
+            self._on_init(header, frames)
+        elif mtype is MsgType.PULL:
+            key = (header.key, header.part)
+            if key not in self._values:
+                raise RemoteProtocolError(f"pull of key {header.key} before any init or push")
+            self._send_value(header.rank, header, self._values[key])
+        elif mtype is MsgType.SET_OPTIMIZER:
+            if len(frames) != 2:
+                raise RemoteProtocolError("SET_OPTIMIZER needs exactly one payload frame")
+            self._optimizer = _Optimizer(frames[1].bytes)
+            for key, value in list(self._values.items()):
+                if isinstance(value, np.ndarray):
+                    self._values[key] = self._optimizer.to_weight(value)
+            logger.info("server %d runs the optimizer from now on", self.config.server_index)
+            self._send(rank, header._replace(type=MsgType.ACK))
+        elif mtype is MsgType.BARRIER:
+            self._barrier[rank] = header.step
+            if len(self._barrier) == self.config.num_workers:
+                for waiting, serial in self._barrier.items():
+                    self._send(waiting, Header(MsgType.ACK, job=self.config.job_id,
+                                               rank=waiting, step=serial))
+                self._barrier = {}
+        elif mtype is MsgType.BYE:
+            self._byes.add(rank)
+        else:
+            raise RemoteProtocolError(f"unexpected {mtype.name} on the reliable channel")
+
+    def _on_hello(self, identity: bytes, header: Header) -> None:
+        rank = header.rank
+        if rank == NO_RANK:
+            if self.config.server_index != 0:
+                raise RemoteProtocolError("only server 0 assigns ranks; say HELLO there first")
+            while self._next_rank in self._identity:
+                self._next_rank += 1
+            rank = self._next_rank
+        if rank >= self.config.num_workers:
+            raise RemoteProtocolError(f"rank {rank} is out of range for "
+                                      f"{self.config.num_workers} workers (DGT_NUM_WORKERS)")
+        known = self._identity.get(rank)
+        if known is not None and known != identity:
+            raise RemoteProtocolError(f"rank {rank} is already taken by another worker")
+        self._identity[rank] = identity
+        self._rank_of[identity] = rank
+        self._send(rank, header._replace(type=MsgType.WELCOME, rank=rank))
+
+    def _on_push(self, header: Header, frames) -> None:
+        dtype = code_dtype(header.dtype)
+        if header.block_elems < 1 or header.frag_elems < 1 or header.n_elems < 1:
+            raise RemoteProtocolError("PUSH with empty sizes")
+        layout = BlockLayout(header.n_elems, header.block_elems)
+        if header.flags & FLAG_ALL_RELIABLE:
+            if len(frames) != 2:
+                raise RemoteProtocolError("PUSH (all reliable) needs one payload frame")
+            blocks = np.arange(layout.n_blocks, dtype=np.int64)
+            raw = frames[1].buffer
+        else:
+            if len(frames) != 3:
+                raise RemoteProtocolError("PUSH needs an index frame and a payload frame")
+            index_bytes = frames[1].buffer
+            if len(index_bytes) % 4 or len(index_bytes) // 4 != header.block:
+                raise RemoteProtocolError("PUSH index frame does not hold its block count")
+            blocks = np.frombuffer(index_bytes, dtype=np.uint32).astype(np.int64)
+            raw = frames[2].buffer
+        if len(raw) % dtype.itemsize:
+            raise RemoteProtocolError("PUSH payload is not a whole number of elements")
+        if self._optimizer is not None and (header.key, header.part) not in self._values:
+            raise RemoteProtocolError(f"push of key {header.key} before its weights were "
+                                      "initialised (broadcast/init) on the server")
+        self.merger.add_push(header, blocks, np.frombuffer(raw, dtype=dtype), time.monotonic())
+
+    def _on_init(self, header: Header, frames) -> None:
+        key = (header.key, header.part)
+        self._init_seen[(header.rank, key)] += 1
+        generation = self._init_seen[(header.rank, key)]
+        if header.rank == 0:
+            if len(frames) != 2:
+                raise RemoteProtocolError("INIT from rank 0 must carry the value")
+            value = np.frombuffer(frames[1].buffer, dtype=code_dtype(header.dtype))
+            if value.size != header.n_elems:
+                raise RemoteProtocolError("INIT value size does not match its header")
+            value = value.copy()
+            self._values[key] = (self._optimizer.to_weight(value) if self._optimizer
+                                 else value)
+            self._init_gen[key] = generation
+            self.merger.forget(*key)
+        self._init_requests.setdefault(key, []).append((header.rank, header.step, generation))
+        ready = self._init_gen.get(key, 0)
+        waiting = self._init_requests[key]
+        for request in [r for r in waiting if r[2] <= ready]:
+            waiting.remove(request)
+            self._send_value(request[0], header._replace(rank=request[0], step=request[1]),
+                             self._values[key])
+
+    def _send_value(self, rank: int, header: Header, value) -> None:
+        array = value if isinstance(value, np.ndarray) else value.asnumpy()
+        array = array.astype(code_dtype(header.dtype), copy=False)
+        self._send(rank, header._replace(type=MsgType.VALUE, n_elems=array.size), array)
+
+    def _send(self, rank: int, header: Header, *payload) -> None:
+        identity = self._identity.get(rank)
+        if identity is None:
+            return
+        self._router.send_multipart([identity, encode_header(header), *payload], copy=False)
+
+    # == closing steps ========================================================================
+    def _close_steps(self) -> None:
+        for closed in self.merger.poll(time.monotonic()):
+            self._reply(closed)
+
+    def _reply(self, closed: ClosedStep) -> None:
+        key = (closed.key, closed.part)
+        flags = 0
+        if self._optimizer is not None:
+            weight = self._values[key]
+            self._optimizer.update(closed.key, weight, closed.merged)
+            payload = weight.asnumpy().astype(closed.merged.dtype, copy=False)
+            flags |= FLAG_WEIGHTS
+        else:
+            self._values[key] = closed.merged
+            payload = closed.merged
+        if closed.missing is not None:
+            flags |= FLAG_FEEDBACK
+        grace_us = int(closed.grace_s * 1e6)
+        for rank in range(self.config.num_workers):
+            header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
+                            dtype=dtype_code(closed.merged.dtype), key=closed.key,
+                            part=closed.part, flags=flags, step=closed.step,
+                            n_elems=closed.merged.size,
+                            udp_expected=int(closed.udp_expected[rank]),
+                            udp_merged=int(closed.udp_merged[rank]),
+                            udp_late=int(closed.udp_late[rank]), grace_us=min(grace_us, 2**32 - 1))
+            frames = [payload]
+            if closed.missing is not None:
+                frames.append(np.packbits(closed.missing[rank]))
+            self._send(rank, header, *frames)
+        self.counters["steps_closed"] += 1
+
+
+def main(argv=None) -> int:
+    """Entry point of ``python -m dgt.server``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = Config.from_env(role="server")
+        server = Server(config)
+    except DGTError as exc:
+        logger.error("%s", exc)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    return server.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

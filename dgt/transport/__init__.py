@@ -1,0 +1,1 @@
+"""I/O shells: they move bytes and never decide what to send."""

@@ -1,0 +1,185 @@
+"""The dgt wire format (sans-I/O: bytes in, typed values out; no sockets here).
+
+Every message, TCP frame or UDP datagram, starts with the same fixed little-endian
+:class:`Header` (magic ``b"DG"``, a version byte, a message type).  ``decode_*`` check every
+length and range *before* any payload byte is used; a datagram that fails a check raises
+:class:`~dgt.errors.RemoteProtocolError` and the receiver counts and drops it.  Nothing is ever
+unpickled from the network except the optimizer a worker sends with ``set_optimizer`` (as MXNet
+does), which travels over the reliable channel.
+
+Reliable (TCP, ZeroMQ multipart) messages:
+
+=============  =====================================  ==============================================
+type           frames after the header                meaning
+=============  =====================================  ==============================================
+HELLO          --                                     worker joins; rank = requested rank or 0xFFFF
+WELCOME        --                                     server's answer; rank = the worker's rank
+PUSH           block indices (uint32), payload         reliable part of (key, part, step);
+                                                       ``block`` = #reliable blocks,
+                                                       ``udp_expected`` = #datagrams sent on UDP
+REPLY          payload, [missing-slot bitmap]          merged result of (key, part, step) + stats
+INIT           [payload]                              broadcast/init; rank 0 carries the value
+VALUE          payload                                the stored value (answer to INIT / PULL)
+PULL           --                                     ask for the stored value of (key, part)
+SET_OPTIMIZER  pickled optimizer                      server-side update from now on
+BARRIER        --                                     answered (ACK) when every worker has sent one
+ACK            --                                     generic acknowledgement
+BYE            --                                     worker leaves
+ERROR          utf-8 text                             the server refused a request
+=============  =====================================  ==============================================
+
+Unreliable (UDP) datagrams: ``Header(type=DATA) + payload`` where the payload is fragment
+``frag`` of block ``block`` of (key, part, step), ``frag_elems`` elements at most.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple, Tuple
+
+import numpy as np
+
+from .errors import RemoteProtocolError
+
+__all__ = ["MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
+           "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
+           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "NO_RANK", "expected_fragment_bytes"]
+
+MAGIC = b"DG"
+VERSION = 1
+NO_RANK = 0xFFFF
+
+FLAG_ALL_RELIABLE = 1  # PUSH: the payload is the whole part, no index frame
+FLAG_FEEDBACK = 2  # REPLY: a missing-slot bitmap follows the payload
+FLAG_WEIGHTS = 4  # REPLY: the payload is updated weights (server-side optimizer)
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    PUSH = 3
+    DATA = 4
+    REPLY = 5
+    INIT = 6
+    VALUE = 7
+    PULL = 8
+    SET_OPTIMIZER = 9
+    BARRIER = 10
+    ACK = 11
+    BYE = 12
+    ERROR = 13
+
+
+class Header(NamedTuple):
+    type: MsgType
+    job: int = 0
+    rank: int = 0
+    channel: int = 0
+    dtype: int = 0
+    key: int = 0
+    part: int = 0
+    flags: int = 0
+    step: int = 0
+    n_elems: int = 0
+    block_elems: int = 0
+    frag_elems: int = 0
+    block: int = 0
+    frag: int = 0
+    udp_expected: int = 0
+    udp_merged: int = 0
+    udp_late: int = 0
+    grace_us: int = 0
+
+    def debug_str(self) -> str:
+        return (f"{self.type.name} W{self.rank} k={self.key}.{self.part} s={self.step} "
+                f"b={self.block} f={self.frag} ch={self.channel}")
+
+
+_STRUCT = struct.Struct("<2sBBIHBBIHHIIIIIIIIII")
+HEADER_BYTES = _STRUCT.size
+
+# dtype codes on the wire; only the float codes may travel over UDP.
+_DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float16), 3: np.dtype(np.float64),
+           4: np.dtype(np.int32), 5: np.dtype(np.int64), 6: np.dtype(np.uint8),
+           7: np.dtype(np.int8), 8: np.dtype(np.int16), 9: np.dtype(np.uint16)}
+_CODES = {v: k for k, v in _DTYPES.items()}
+FLOAT_CODES = (1, 2)
+_MAX_ELEMS = 2 ** 32 - 1
+
+
+def dtype_code(dtype) -> int:
+    try:
+        return _CODES[np.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype {np.dtype(dtype)} cannot travel through dgt; supported: "
+                         f"{', '.join(str(d) for d in _DTYPES.values())}") from None
+
+
+def code_dtype(code: int) -> np.dtype:
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise RemoteProtocolError(f"unknown dtype code {code}") from None
+
+
+def encode_header(header: Header) -> bytes:
+    return _STRUCT.pack(MAGIC, VERSION, int(header.type), header.job, header.rank,
+                        header.channel, header.dtype, header.key, header.part, header.flags,
+                        header.step, header.n_elems, header.block_elems, header.frag_elems,
+                        header.block, header.frag, header.udp_expected, header.udp_merged,
+                        header.udp_late, header.grace_us)
+
+
+def decode_header(buf) -> Header:
+    """Decode the header at the start of ``buf``; checks magic, version and type."""
+    if len(buf) < HEADER_BYTES:
+        raise RemoteProtocolError(f"message of {len(buf)} bytes is shorter than a header "
+                                  f"({HEADER_BYTES} bytes)")
+    fields = _STRUCT.unpack_from(buf, 0)
+    if fields[0] != MAGIC:
+        raise RemoteProtocolError(f"bad magic {fields[0]!r}")
+    if fields[1] != VERSION:
+        raise RemoteProtocolError(f"unsupported protocol version {fields[1]} (this is {VERSION})")
+    try:
+        mtype = MsgType(fields[2])
+    except ValueError:
+        raise RemoteProtocolError(f"unknown message type {fields[2]}") from None
+    return Header(mtype, *fields[3:])
+
+
+def expected_fragment_bytes(header: Header) -> int:
+    """Exact payload size of a DATA datagram, derived from its header alone.
+
+    Raises RemoteProtocolError when the block or fragment index is out of range.
+    """
+    n, b, fe = header.n_elems, header.block_elems, header.frag_elems
+    if not (1 <= n <= _MAX_ELEMS and 1 <= b and 1 <= fe):
+        raise RemoteProtocolError(f"bad sizes n_elems={n} block_elems={b} frag_elems={fe}")
+    n_blocks = -(-n // b)
+    if header.block >= n_blocks:
+        raise RemoteProtocolError(f"block {header.block} out of range (0..{n_blocks - 1})")
+    block_len = min(b, n - header.block * b)
+    n_frags = -(-block_len // fe)
+    if header.frag >= n_frags:
+        raise RemoteProtocolError(f"fragment {header.frag} out of range (0..{n_frags - 1})")
+    frag_len = min(fe, block_len - header.frag * fe)
+    return frag_len * code_dtype(header.dtype).itemsize
+
+
+def decode_datagram(buf, nbytes: int = None) -> Tuple[Header, memoryview]:
+    """Decode one UDP datagram into its header and a view of its payload (no copy)."""
+    view = memoryview(buf)
+    if nbytes is not None:
+        view = view[:nbytes]
+    header = decode_header(view)
+    if header.type is not MsgType.DATA:
+        raise RemoteProtocolError(f"datagram of type {header.type.name}, expected DATA")
+    if header.dtype not in FLOAT_CODES:
+        raise RemoteProtocolError(f"dtype code {header.dtype} may not travel over UDP")
+    if header.channel < 1:
+        raise RemoteProtocolError("DATA on channel 0 (the reliable channel)")
+    expected = expected_fragment_bytes(header)
+    payload = view[HEADER_BYTES:]
+    if len(payload) != expected:
+        raise RemoteProtocolError(f"payload of {len(payload)} bytes, header says {expected}")
+    return header, payload

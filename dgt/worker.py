@@ -1,0 +1,634 @@
+"""The worker side: turn one ``pushpull(key, gradient)`` into a reliable part and datagrams.
+
+Flow of one push, per server part (each step a plain function of :mod:`dgt.partition`,
+:mod:`dgt.scoring`, :mod:`dgt.policy`, :mod:`dgt.memory`)::
+
+    compensate (error feedback) -> score blocks -> assign channels
+      -> reliable PUSH (TCP, first) -> UDP datagrams (channel 1 first) -> await REPLY
+
+Calls return a :class:`Pending` at once; the network work of different keys overlaps.  One
+I/O thread owns the ZeroMQ sockets (they are not thread-safe): callers hand it frames over an
+``inproc`` socket and it resolves pending results as replies arrive.  Every wait is bounded by
+``Config.timeout_s``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import zmq
+
+from .config import Config
+from .errors import LocalProtocolError, PeerLost, RemoteProtocolError, StepTimeout
+from .lossmodel import dropped_slots
+from .memory import ResidualMemory
+from .partition import BlockLayout, FragmentLayout, Part, plan_parts
+from .policy import AdaptiveThreshold, assign_channels
+from .scoring import ContributionState, score_blocks
+from .stats import JsonLinesSink, StepStats
+from .transport.priority import apply_zmq_priority
+from .transport.udp import UdpSender
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLOAT_CODES, HEADER_BYTES, NO_RANK, Header,
+                   MsgType, code_dtype, decode_header, dtype_code, encode_header)
+
+__all__ = ["Worker", "Pending", "report_loss"]
+
+logger = logging.getLogger(__name__)
+
+_ACTIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+
+# numpy layout of wire.Header, to build every datagram header of a push in one vectorised go.
+_HEADER_DTYPE = np.dtype([
+    ("magic", "S2"), ("version", "u1"), ("type", "u1"), ("job", "<u4"), ("rank", "<u2"),
+    ("channel", "u1"), ("dtype", "u1"), ("key", "<u4"), ("part", "<u2"), ("flags", "<u2"),
+    ("step", "<u4"), ("n_elems", "<u4"), ("block_elems", "<u4"), ("frag_elems", "<u4"),
+    ("block", "<u4"), ("frag", "<u4"), ("udp_expected", "<u4"), ("udp_merged", "<u4"),
+    ("udp_late", "<u4"), ("grace_us", "<u4")])
+assert _HEADER_DTYPE.itemsize == HEADER_BYTES
+
+
+def report_loss(value: float) -> None:
+    """Feed the training loss to the adaptive threshold of every worker in this process.
+
+    Optional: without it, dgt adapts k to the gradient norm it sees by itself.
+    """
+    for worker in list(_ACTIVE):
+        worker.report_loss(value)
+
+
+class Pending:
+    """The result of an asynchronous call; :meth:`wait` returns it or raises."""
+
+    def __init__(self, what: str, result: Optional[np.ndarray], parts: int, timeout_s: float):
+        self.what = what
+        self.result = result
+        self._left = parts
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._timeout_s = timeout_s
+        if parts == 0:
+            self._event.set()
+
+    def _part_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[np.ndarray]:
+        limit = self._timeout_s if timeout_s is None else timeout_s
+        if not self._event.wait(limit):
+            raise StepTimeout(f"{self.what}: no reply within {limit:g} s (DGT_TIMEOUT_S); "
+                              "is every worker and server of the job still running?")
+        if self._error is not None:
+            raise self._error
+        return self.result
+
+
+@dataclass
+class _Inflight:
+    pending: Pending
+    part: Part
+    started: float
+    compensated: Optional[np.ndarray] = None  # what was pushed, kept for error feedback
+    layout: Optional[FragmentLayout] = None
+    ident: Tuple[int, int] = (0, 0)
+    stats: Optional[StepStats] = None
+
+
+@dataclass
+class _KeyPlan:
+    n_elems: int
+    dtype: np.dtype
+    parts: List[Part]
+    steps: List[int] = field(default_factory=list)  # next step number per part
+    last: Optional[Pending] = None
+
+
+class Worker:
+    """One training process's connection to the dgt servers.
+
+    Parameters
+    ----------
+    config : Config
+        Needs ``server_addrs``; ``rank`` -1 lets server 0 assign one.
+    """
+
+    def __init__(self, config: Config, context: Optional[zmq.Context] = None):
+        self.config = config
+        addrs = config.server_addr_list()
+        if not addrs:
+            raise LocalProtocolError(
+                "no server address: set DGT_SERVER_ADDRS (dgt-launch does) or "
+                "DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT")
+        if any(port == 0 for _, port in addrs):
+            raise LocalProtocolError(f"DGT_SERVER_ADDRS={config.server_addrs!r}: a worker needs "
+                                     "the servers' real ports, not 0")
+        self._addrs = addrs
+        self._ctx = context or zmq.Context.instance()
+        self._inproc = f"inproc://dgt-worker-{id(self):x}"
+        self._local = threading.local()
+        self._sockets_lock = threading.Lock()
+        self._thread_sockets: List[zmq.Socket] = []
+        self._inflight: Dict[tuple, _Inflight] = {}
+        self._inflight_lock = threading.Lock()
+        self._fatal: Optional[BaseException] = None
+        self._serial = itertools.count(1)
+        self._keys: Dict[int, _KeyPlan] = {}
+        self._scores = ContributionState(config.score_alpha)
+        self._memory = ResidualMemory()
+        self._threshold = AdaptiveThreshold(config.threshold, config.threshold_min,
+                                            config.adaptive_smoothing, config.adaptive)
+        self._loss_reported = False
+        self._grad_sq = 0.0
+        self._round_key: Optional[int] = None
+        self._round = -1
+        self._stats: Optional[StepStats] = None
+        self._stats_lock = threading.Lock()
+        self._sink: Optional[JsonLinesSink] = None
+        self._udp = UdpSender(config.udp_channels, config.udp_buffer_bytes)
+        self._closed = False
+        self.rank = config.rank
+        self.num_workers = config.num_workers
+        self.counters = {"udp_send_errors": 0, "replies": 0}
+
+        self._cmd = self._ctx.socket(zmq.PULL)
+        self._cmd.bind(self._inproc)
+        self._dealers = []
+        for host, port in addrs:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 2000)
+            apply_zmq_priority(dealer, config.udp_channels)
+            dealer.setsockopt(zmq.SNDHWM, 0)
+            dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.connect(f"tcp://{host}:{port}")
+            self._dealers.append(dealer)
+        self._thread = threading.Thread(target=self._io_loop, name="dgt-worker-io", daemon=True)
+        self._thread.start()
+        self._hello()
+        if config.stats:
+            self._sink = JsonLinesSink(config.stats_path(self.rank))
+        _ACTIVE.add(self)
+        logger.info("worker %d/%d connected to %d server(s); %s", self.rank, self.num_workers,
+                    len(addrs), config)
+
+    # == public API ===========================================================================
+    def pushpull(self, key: int, flat: np.ndarray) -> Pending:
+        """Push ``flat`` (this worker's gradient of ``key``) and get the merged result.
+
+        The array is read asynchronously: do not modify it until the result is ready.
+        """
+        self._check_usable()
+        flat = self._as_flat(flat)
+        plan = self._plan(key, flat)
+        self._new_round_if(key, flat)
+        if plan.last is not None and not plan.last.done():
+            plan.last.wait()  # steps of one key are strictly ordered
+        pending = Pending(f"pushpull of key {key}", np.empty(plan.n_elems, dtype=plan.dtype),
+                          len(plan.parts), self.config.timeout_s)
+        for part in plan.parts:
+            step = plan.steps[part.index]
+            plan.steps[part.index] = step + 1
+            self._push_part(key, part, step, flat[part.start:part.stop], pending)
+        plan.last = pending
+        return pending
+
+    def broadcast(self, key: int, flat: np.ndarray) -> Pending:
+        """Rank 0's ``flat`` for everyone (the server also stores it as the key's value)."""
+        return self._init_or_broadcast(key, flat, "broadcast")
+
+    def init(self, key: int, flat: np.ndarray) -> Pending:
+        """Store rank 0's value of ``key`` on the servers (MXNet's ``kv.init``)."""
+        return self._init_or_broadcast(key, flat, "init")
+
+    def pull(self, key: int, shape_like: np.ndarray) -> Pending:
+        """The stored value of ``key``: last merged gradient, or weights with a server-side
+        optimizer.  A pending push of the key is waited for first."""
+        self._check_usable()
+        flat = self._as_flat(shape_like)
+        plan = self._plan(key, flat)
+        if plan.last is not None:
+            plan.last.wait()
+        pending = Pending(f"pull of key {key}", np.empty(plan.n_elems, dtype=plan.dtype),
+                          len(plan.parts), self.config.timeout_s)
+        for part in plan.parts:
+            serial = next(self._serial)
+            header = self._header(MsgType.PULL, key, part, serial, flat.dtype, part.n_elems)
+            self._register(("value", key, part.index, serial), _Inflight(pending, part, time.time()))
+            self._send(part.server, [encode_header(header)])
+        return pending
+
+    def set_optimizer(self, optimizer_blob: bytes) -> None:
+        """Make the servers run the (pickled MXNet) optimizer; rank 0 sends it, all wait."""
+        self._check_usable()
+        if self.rank == 0:
+            acks = []
+            for server in range(len(self._addrs)):
+                acks.append(self._request(server, MsgType.SET_OPTIMIZER, [optimizer_blob],
+                                          "set_optimizer"))
+            for ack in acks:
+                ack.wait()
+        self.barrier()
+
+    def barrier(self) -> None:
+        """Return when every worker has called barrier (server 0 counts)."""
+        self._check_usable()
+        self._request(0, MsgType.BARRIER, [], "barrier").wait()
+
+    def report_loss(self, value: float) -> None:
+        self._loss_reported = True
+        self._threshold.observe(float(value), "loss")
+
+    @property
+    def threshold(self) -> float:
+        return self._threshold.k
+
+    def close(self) -> None:
+        """Say BYE to every server and stop the I/O thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        _ACTIVE.discard(self)
+        self._finish_round()
+        try:
+            for server in range(len(self._addrs)):
+                self._send(server, [encode_header(self._header(MsgType.BYE, 0, None, 0))])
+            self._send(-1, [])  # stop marker, handled after the BYEs
+        except zmq.ZMQError:
+            pass
+        self._thread.join(timeout=5.0)
+        with self._sockets_lock:
+            for sock in self._thread_sockets:
+                sock.close(linger=0)
+            self._thread_sockets = []
+        self._udp.close()
+        if self._sink is not None:
+            self._sink.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # == push path ============================================================================
+    def _push_part(self, key: int, part: Part, step: int, values: np.ndarray,
+                   pending: Pending) -> None:
+        cfg = self.config
+        code = dtype_code(values.dtype)
+        frag_elems = max(1, cfg.udp_payload_bytes // values.dtype.itemsize)
+        blocks = BlockLayout(part.n_elems, cfg.block_elems)
+        layout = FragmentLayout(blocks, frag_elems)
+        ident = (key, part.index)
+        differential = (cfg.enable and code in FLOAT_CODES and blocks.n_blocks > 1)
+        stats = self._stats
+        inflight = _Inflight(pending, part, time.time(), layout=layout, ident=ident, stats=stats)
+        base = Header(MsgType.PUSH, job=cfg.job_id, rank=self.rank, dtype=code, key=key,
+                      part=part.index, step=step, n_elems=part.n_elems,
+                      block_elems=cfg.block_elems, frag_elems=frag_elems)
+        if not differential:
+            self._register(("push", key, part.index, step), inflight)
+            header = base._replace(flags=FLAG_ALL_RELIABLE, block=blocks.n_blocks)
+            self._send(part.server, [encode_header(header), values])
+            self._count(stats, 0, blocks.n_blocks, values.nbytes)
+            return
+        if cfg.error_feedback:
+            values = self._memory.compensate(ident, values)
+            inflight.compensated = values
+        scores = score_blocks(self._scores, ident, blocks, values)
+        rng = (np.random.default_rng([cfg.seed, self.rank, key, part.index, step])
+               if cfg.random_order else None)
+        channels = assign_channels(scores, self._threshold.k, cfg.udp_channels, rng)
+        reliable = np.flatnonzero(channels == 0).astype(np.uint32)
+        udp_blocks = np.flatnonzero(channels)
+        udp_blocks = udp_blocks[np.argsort(channels[udp_blocks], kind="stable")]
+        slots = layout.slots_of_blocks(udp_blocks) if not cfg.send_drop else np.empty(0, np.int64)
+        header = base._replace(block=len(reliable), udp_expected=len(slots))
+        payload = blocks.gather(values, reliable)
+        self._register(("push", key, part.index, step), inflight)
+        self._send(part.server, [encode_header(header), reliable, payload])
+        self._count(stats, 0, len(reliable), payload.nbytes)
+        for channel in range(1, cfg.udp_channels + 1):
+            chosen = channels[udp_blocks] == channel
+            self._count(stats, channel, int(np.count_nonzero(chosen)),
+                        int(blocks.block_lengths[udp_blocks[chosen]].sum()) * values.dtype.itemsize)
+        if len(slots):
+            self._send_datagrams(base, layout, values, channels, slots, stats, part.server)
+
+    def _send_datagrams(self, base: Header, layout: FragmentLayout, values: np.ndarray,
+                        channels: np.ndarray, slots: np.ndarray, stats: Optional[StepStats],
+                        server: int):
+        cfg = self.config
+        fpb = layout.frags_per_block
+        block_ids = slots // fpb
+        frag_ids = slots % fpb
+        starts = block_ids * layout.blocks.block_elems + frag_ids * layout.frag_elems
+        block_ends = np.minimum((block_ids + 1) * layout.blocks.block_elems, layout.blocks.n_elems)
+        stops = np.minimum(starts + layout.frag_elems, block_ends)
+        chans = channels[block_ids]
+        headers = np.zeros(len(slots), dtype=_HEADER_DTYPE)
+        for name in ("job", "rank", "dtype", "key", "part", "step", "n_elems", "block_elems",
+                     "frag_elems"):
+            headers[name] = getattr(base, name)
+        headers["magic"] = b"DG"
+        headers["version"] = 1
+        headers["type"] = int(MsgType.DATA)
+        headers["channel"] = chans
+        headers["block"] = block_ids
+        headers["frag"] = frag_ids
+        dropped = dropped_slots(cfg.udp_drop, cfg.seed, self.rank, base.key, base.part,
+                                base.step, slots)
+        header_view = memoryview(headers.tobytes())
+        data_view = memoryview(values).cast("B")
+        size = values.dtype.itemsize
+        addr = self._addrs[server]
+        send = self._udp.send
+        sent = errors = 0
+        for i, (channel, start, stop, drop) in enumerate(zip(chans.tolist(), starts.tolist(),
+                                                              stops.tolist(), dropped.tolist())):
+            if drop:
+                continue
+            if send(channel, addr, header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
+                    data_view[start * size:stop * size]):
+                sent += 1
+            else:
+                errors += 1
+        if stats is not None:
+            with self._stats_lock:
+                stats.datagrams_sent += sent
+                stats.datagrams_injected_loss += int(np.count_nonzero(dropped))
+                stats.datagrams_send_errors += errors
+
+    # == helpers ==============================================================================
+    @staticmethod
+    def _as_flat(array: np.ndarray) -> np.ndarray:
+        flat = np.ascontiguousarray(array).reshape(-1)
+        if flat.size == 0:
+            raise LocalProtocolError("dgt cannot synchronise an empty array")
+        return flat
+
+    def _plan(self, key: int, flat: np.ndarray) -> _KeyPlan:
+        if not 0 <= key < 2 ** 32:
+            raise LocalProtocolError(f"key {key} is out of range 0..2**32-1")
+        plan = self._keys.get(key)
+        if plan is None:
+            parts = plan_parts(flat.size, key, len(self._addrs), self.config.bigarray_elems)
+            plan = _KeyPlan(flat.size, flat.dtype, parts, [0] * len(parts))
+            self._keys[key] = plan
+        elif plan.n_elems != flat.size or plan.dtype != flat.dtype:
+            raise LocalProtocolError(
+                f"key {key} was first used with {plan.n_elems} elements of {plan.dtype}, now "
+                f"with {flat.size} of {flat.dtype}")
+        return plan
+
+    def _header(self, mtype: MsgType, key: int, part: Optional[Part], step: int,
+                dtype=np.float32, n_elems: int = 0) -> Header:
+        return Header(mtype, job=self.config.job_id, rank=self.rank if self.rank >= 0 else NO_RANK,
+                      key=key, part=part.index if part else 0, step=step,
+                      dtype=dtype_code(dtype), n_elems=n_elems)
+
+    def _init_or_broadcast(self, key: int, flat: np.ndarray, what: str) -> Pending:
+        self._check_usable()
+        flat = self._as_flat(flat)
+        plan = self._plan(key, flat)
+        pending = Pending(f"{what} of key {key}", np.empty(plan.n_elems, dtype=plan.dtype),
+                          len(plan.parts), self.config.timeout_s)
+        for part in plan.parts:
+            serial = next(self._serial)
+            header = self._header(MsgType.INIT, key, part, serial, flat.dtype, part.n_elems)
+            frames = [encode_header(header)]
+            if self.rank == 0:
+                frames.append(flat[part.start:part.stop])
+            self._register(("value", key, part.index, serial), _Inflight(pending, part, time.time()))
+            self._send(part.server, frames)
+        plan.last = pending
+        return pending
+
+    def _request(self, server: int, mtype: MsgType, frames: list, what: str) -> Pending:
+        serial = next(self._serial)
+        pending = Pending(what, None, 1, self.config.timeout_s)
+        self._register(("ack", 0, 0, serial), _Inflight(pending, Part(server, 0, 0, 0), time.time()))
+        self._send(server, [encode_header(self._header(mtype, 0, None, serial))] + frames)
+        return pending
+
+    def _register(self, ident: tuple, inflight: _Inflight) -> None:
+        with self._inflight_lock:
+            self._inflight[ident] = inflight
+
+    def _send(self, server: int, frames: list) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self._inproc)
+            self._local.sock = sock
+            with self._sockets_lock:
+                self._thread_sockets.append(sock)
+        sock.send_multipart([bytes([server & 0xFF])] + frames, copy=False)
+
+    def _check_usable(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closed:
+            raise LocalProtocolError("this dgt worker is closed")
+
+    def _hello(self) -> None:
+        """Join server 0 (which assigns a rank when we have none), then the others."""
+        for server in range(len(self._addrs)):
+            pending = self._request(server, MsgType.HELLO, [], f"connection to server {server} "
+                                    f"at {self._addrs[server][0]}:{self._addrs[server][1]}")
+            pending.wait()
+        logger.debug("worker rank %d joined", self.rank)
+
+    # == statistics and adaptive threshold ====================================================
+    def _new_round_if(self, key: int, flat: np.ndarray) -> None:
+        if self._round_key is None:
+            self._round_key = key
+        if key == self._round_key:
+            self._finish_round()
+            if not self._loss_reported and self._round >= 0:
+                self._threshold.observe(math.sqrt(self._grad_sq), "gradient norm")
+            self._grad_sq = 0.0
+            self._round += 1
+            self._stats = StepStats(self._round, self.rank, self._threshold.k,
+                                    self.config.udp_channels, time.time())
+        if self.config.adaptive and not self._loss_reported and flat.dtype.kind == "f":
+            as32 = flat.astype(np.float32, copy=False)
+            self._grad_sq += float(np.dot(as32, as32))
+
+    def _finish_round(self) -> None:
+        stats, self._stats = self._stats, None
+        if stats is not None and self._sink is not None:
+            self._sink.write(stats)
+
+    def _count(self, stats: Optional[StepStats], channel: int, blocks: int, nbytes: int) -> None:
+        if stats is not None:
+            with self._stats_lock:
+                stats.blocks_per_channel[channel] += blocks
+                stats.bytes_per_channel[channel] += nbytes
+
+    # == I/O thread ===========================================================================
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._cmd, zmq.POLLIN)
+        for dealer in self._dealers:
+            poller.register(dealer, zmq.POLLIN)
+        stopping = False
+        next_check = time.monotonic() + 1.0
+        try:
+            while not stopping:
+                events = dict(poller.poll(200))
+                if self._cmd in events:
+                    while True:
+                        try:
+                            frames = self._cmd.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        target = frames[0].bytes[0]
+                        if len(frames) == 1:
+                            stopping = True
+                            break
+                        self._dealers[target].send_multipart(frames[1:], copy=False)
+                for index, dealer in enumerate(self._dealers):
+                    if dealer in events:
+                        while True:
+                            try:
+                                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                            except zmq.Again:
+                                break
+                            self._on_message(index, frames)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 1.0
+                    self._expire(time.time())
+        except Exception as exc:  # noqa: BLE001 - reported to every waiter, then re-raised
+            logger.exception("dgt worker I/O thread failed")
+            self._fail_all(exc)
+        finally:
+            self._cmd.close(linger=0)
+            for dealer in self._dealers:
+                dealer.close()
+
+    def _on_message(self, server: int, frames) -> None:
+        try:
+            header = decode_header(frames[0].buffer)
+        except RemoteProtocolError as exc:
+            self._fail_all(RemoteProtocolError(f"server {server} sent garbage: {exc}"))
+            return
+        if header.job != self.config.job_id:
+            self._fail_all(RemoteProtocolError(
+                f"server {server} belongs to job {header.job}, this worker to job "
+                f"{self.config.job_id}: check DGT_SERVER_ADDRS"))
+            return
+        mtype = header.type
+        if mtype is MsgType.REPLY:
+            self._on_reply(header, frames)
+        elif mtype is MsgType.VALUE:
+            entry = self._pop(("value", header.key, header.part, header.step))
+            if entry is not None:
+                self._fill(entry, header, frames[1])
+                entry.pending._part_done()
+        elif mtype in (MsgType.ACK, MsgType.WELCOME):
+            entry = self._pop(("ack", 0, 0, header.step))
+            if entry is not None:
+                if mtype is MsgType.WELCOME:
+                    if self.rank < 0:
+                        self.rank = header.rank
+                        self.num_workers = max(self.num_workers, 1)
+                    elif header.rank != self.rank:
+                        entry.pending._fail(RemoteProtocolError(
+                            f"server {server} gave rank {header.rank}, server 0 gave {self.rank}"))
+                entry.pending._part_done()
+        elif mtype is MsgType.ERROR:
+            text = bytes(frames[1].buffer).decode("utf-8", "replace") if len(frames) > 1 else ""
+            error = RemoteProtocolError(f"server {server} refused a request: {text}")
+            entry = None
+            for kind in ("push", "value"):
+                entry = entry or self._pop((kind, header.key, header.part, header.step))
+            entry = entry or self._pop(("ack", 0, 0, header.step))
+            if entry is not None:
+                entry.pending._fail(error)
+            else:
+                self._fail_all(error)
+        elif mtype is MsgType.BYE:
+            self._fail_all(PeerLost(f"server {server} is shutting down"))
+        else:
+            self._fail_all(RemoteProtocolError(f"server {server} sent an unexpected "
+                                               f"{mtype.name}"))
+
+    def _on_reply(self, header: Header, frames) -> None:
+        entry = self._pop(("push", header.key, header.part, header.step))
+        if entry is None:
+            self._fail_all(RemoteProtocolError(f"reply for an unknown push: {header.debug_str()}"))
+            return
+        self.counters["replies"] += 1
+        self._fill(entry, header, frames[1])
+        carried = 0
+        if header.flags & FLAG_FEEDBACK and entry.compensated is not None and len(frames) > 2:
+            layout = entry.layout
+            missing = np.unpackbits(np.frombuffer(frames[2].buffer, dtype=np.uint8),
+                                    count=layout.n_slots).astype(bool)
+            carried = self._memory.remember(entry.ident, entry.compensated,
+                                            layout.element_mask(missing))
+        stats = entry.stats
+        if stats is not None:
+            with self._stats_lock:
+                stats.keys += 1
+                stats.udp_expected += header.udp_expected
+                stats.udp_merged += header.udp_merged
+                stats.udp_lost += max(0, header.udp_expected - header.udp_merged)
+                stats.udp_late += header.udp_late
+                stats.feedback_elems += carried
+                stats.grace_ms_max = max(stats.grace_ms_max, header.grace_us / 1000.0)
+                stats.latency_ms = max(stats.latency_ms,
+                                       (time.time() - stats.started_s) * 1000.0)
+        entry.pending._part_done()
+
+    @staticmethod
+    def _fill(entry: _Inflight, header: Header, frame) -> None:
+        pending, part = entry.pending, entry.part
+        data = np.frombuffer(frame.buffer, dtype=code_dtype(header.dtype))
+        if data.size != part.n_elems or pending.result is None:
+            pending._fail(RemoteProtocolError(
+                f"{pending.what}: reply has {data.size} elements, expected {part.n_elems}"))
+            return
+        pending.result[part.start:part.stop] = data
+
+    def _pop(self, ident: tuple) -> Optional[_Inflight]:
+        with self._inflight_lock:
+            return self._inflight.pop(ident, None)
+
+    def _expire(self, now: float) -> None:
+        limit = self.config.timeout_s
+        with self._inflight_lock:
+            expired = [k for k, v in self._inflight.items() if now - v.started > limit]
+            entries = [self._inflight.pop(k) for k in expired]
+        for entry in entries:
+            entry.pending._fail(StepTimeout(
+                f"{entry.pending.what}: server {entry.part.server} did not answer within "
+                f"{limit:g} s (DGT_TIMEOUT_S)"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fatal = error
+        with self._inflight_lock:
+            entries = list(self._inflight.values())
+            self._inflight.clear()
+        for entry in entries:
+            entry.pending._fail(error)
+
