@@ -2,9 +2,13 @@
 
 Sans-I/O: the server feeds decoded messages and a clock value in, and takes closed steps out.
 
-Rule 1 (closing).  Step s of a part closes when every worker's reliable part (PUSH) is in and
-either every UDP datagram each worker announced has arrived, or ``grace_s`` has passed since the
-last PUSH arrived.  The merger never waits on UDP beyond that.
+Rule 1 (closing).  Step s of a part closes when every worker's reliable part (PUSH) and its
+end-of-datagrams marker (PUSH_END, implied when it announced no datagram) are in, and either
+every UDP datagram each worker announced has arrived, or ``grace_s`` has passed since the last
+of those markers arrived.  The merger never waits on UDP beyond that.  The window starts at the
+end marker, not at the PUSH, so that it measures network lateness only, not how long the
+sender took to hand its datagrams to the kernel (the reference's TCP tail block played the
+same role).
 
 Rule 2 (what is merged).  The merged value is the sum over workers of the reliable blocks plus
 the UDP fragments that arrived before the close.  What happens to the rest depends on the
@@ -82,7 +86,7 @@ class ClosedStep:
     udp_expected: np.ndarray  # per worker
     udp_merged: np.ndarray  # per worker
     udp_late: np.ndarray  # per worker: late datagrams merged here or dropped since last close
-    grace_s: float  # time waited after the last PUSH
+    grace_s: float  # time waited after the last end marker
 
 
 @dataclass
@@ -92,6 +96,7 @@ class _OpenStep:
     received: np.ndarray  # (W, n_slots) UDP fragments merged
     reliable: np.ndarray  # (W, n_blocks) blocks that came in the PUSH
     pushed: np.ndarray  # (W,) bool
+    ended: np.ndarray  # (W,) bool: PUSH_END seen (or nothing to wait for)
     udp_expected: np.ndarray
     late_in: np.ndarray
     last_push_time: float = 0.0
@@ -153,6 +158,7 @@ class StepMerger:
                 received=np.zeros((w, lay.n_slots), dtype=bool),
                 reliable=np.zeros((w, lay.blocks.n_blocks), dtype=bool),
                 pushed=np.zeros(w, dtype=bool),
+                ended=np.zeros(w, dtype=bool),
                 udp_expected=np.zeros(w, dtype=np.int64),
                 late_in=np.zeros(w, dtype=np.int64))
             state.steps[step] = open_step
@@ -200,10 +206,24 @@ class StepMerger:
         layout.scatter_add_(open_step.acc, blocks, payload)
         open_step.pushed[rank] = True
         open_step.udp_expected[rank] = header.udp_expected
+        if header.udp_expected == 0:
+            self._mark_ended(header, open_step, now)
+
+    def add_push_end(self, header: Header, now: float) -> None:
+        """Worker ``header.rank`` has sent every datagram of its step ``header.step``."""
+        state = self._parts.get((header.key, header.part))
+        open_step = state.steps.get(header.step) if state else None
+        if open_step is None or not 0 <= header.rank < self.num_workers \
+                or not open_step.pushed[header.rank] or open_step.ended[header.rank]:
+            raise RemoteProtocolError(f"PUSH_END without its PUSH: {header.debug_str()}")
+        self._mark_ended(header, open_step, now)
+
+    def _mark_ended(self, header: Header, open_step: _OpenStep, now: float) -> None:
+        open_step.ended[header.rank] = True
         open_step.last_push_time = now
         ident = (header.key, header.part, header.step)
         self._candidates.add(ident)
-        if open_step.pushed.all():
+        if open_step.ended.all():
             heapq.heappush(self._deadlines, (now + self.grace_s, *ident))
 
     def add_fragment(self, header: Header, payload, now: float) -> str:
@@ -270,7 +290,7 @@ class StepMerger:
         for key, part, step in sorted(ready):
             state = self._parts.get((key, part))
             open_step = state.steps.get(step) if state else None
-            if open_step is None or not open_step.pushed.all():
+            if open_step is None or not open_step.ended.all():
                 continue
             complete = bool((open_step.received.sum(axis=1) >= open_step.udp_expected).all())
             if complete or now >= open_step.last_push_time + self.grace_s:
@@ -297,7 +317,7 @@ class StepMerger:
         if self.error_feedback:
             missing = valid & ~delivered
         wire_dtype = code_dtype(state.spec.dtype_code)
-        merged = open_step.acc[:layout.blocks.n_elems].astype(wire_dtype)
+        merged = open_step.acc[:layout.blocks.n_elems].astype(wire_dtype, copy=False)
         late = open_step.late_in + state.late_dropped
         state.late_dropped = np.zeros(self.num_workers, dtype=np.int64)
         del state.steps[open_step.step]

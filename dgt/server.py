@@ -36,11 +36,15 @@ __all__ = ["Server", "main"]
 
 logger = logging.getLogger(__name__)
 
-_UDP_BATCH = 4096  # datagrams read per loop turn, so TCP is never starved by a UDP flood
+_UDP_BATCH = 65536  # datagrams read per loop turn at most, so a flood cannot starve TCP
 
 
 class _Optimizer:
-    """The MXNet optimizer a worker sent, applied as ``dist_sync``'s server does."""
+    """The MXNet optimizer a worker sent, applied as ``dist_sync``'s server does.
+
+    Weights are NDArrays sharing memory with the numpy arrays the server replies with, and
+    gradients are wrapped the same way, so an update copies no tensor in Python.
+    """
 
     def __init__(self, blob: bytes):
         mx = _import_mxnet()
@@ -50,11 +54,12 @@ class _Optimizer:
         self._mx = mx
         self._updater = mx.optimizer.get_updater(optimizer)
 
-    def update(self, key: int, weight, grad: np.ndarray):
-        self._updater(key, self._mx.nd.array(grad, dtype=grad.dtype), weight)
+    def wrap(self, value: np.ndarray):
+        return self._mx.nd.from_numpy(value, zero_copy=True)
 
-    def to_weight(self, value: np.ndarray):
-        return self._mx.nd.array(value, dtype=value.dtype)
+    def update(self, key: int, weight, grad: np.ndarray) -> None:
+        self._updater(key, self.wrap(np.ascontiguousarray(grad)), weight)
+        weight.wait_to_read()
 
 
 def _import_mxnet():
@@ -92,7 +97,8 @@ class Server:
         self._rank_of: Dict[bytes, int] = {}
         self._next_rank = 0
         self._byes: set = set()
-        self._values: Dict[Tuple[int, int], object] = {}  # numpy, or NDArray weights
+        self._values: Dict[Tuple[int, int], np.ndarray] = {}
+        self._weights: Dict[Tuple[int, int], object] = {}  # NDArrays over self._values
         self._init_gen: Dict[Tuple[int, int], int] = {}
         self._init_requests: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
         self._init_seen: Counter = Counter()
@@ -140,8 +146,9 @@ class Server:
                     self._last_activity = time.monotonic()
                 if self._router in events:
                     self._drain_tcp()
-                if self._udp.fileno() in events:
-                    self._drain_udp()
+                # Read every datagram already queued before judging deadlines: what the kernel
+                # holds arrived in time, however slow this loop was to get to it.
+                self._drain_udp()
                 self._close_steps()
                 if self._everyone_left():
                     logger.info("every worker left; server %d stops", self.config.server_index)
@@ -233,6 +240,8 @@ class Server:
                                       f"rank {header.rank}")
         if mtype is MsgType.PUSH:
             self._on_push(header, frames)
+        elif mtype is MsgType.PUSH_END:
+            self.merger.add_push_end(header, time.monotonic())
         elif mtype is MsgType.INIT:
             self._on_init(header, frames)
         elif mtype is MsgType.PULL:
@@ -244,9 +253,8 @@ class Server:
             if len(frames) != 2:
                 raise RemoteProtocolError("SET_OPTIMIZER needs exactly one payload frame")
             self._optimizer = _Optimizer(frames[1].bytes)
-            for key, value in list(self._values.items()):
-                if isinstance(value, np.ndarray):
-                    self._values[key] = self._optimizer.to_weight(value)
+            self._weights = {key: self._optimizer.wrap(value)
+                             for key, value in self._values.items()}
             logger.info("server %d runs the optimizer from now on", self.config.server_index)
             self._send(rank, header._replace(type=MsgType.ACK))
         elif mtype is MsgType.BARRIER:
@@ -299,7 +307,7 @@ class Server:
             raw = frames[2].buffer
         if len(raw) % dtype.itemsize:
             raise RemoteProtocolError("PUSH payload is not a whole number of elements")
-        if self._optimizer is not None and (header.key, header.part) not in self._values:
+        if self._optimizer is not None and (header.key, header.part) not in self._weights:
             raise RemoteProtocolError(f"push of key {header.key} before its weights were "
                                       "initialised (broadcast/init) on the server")
         self.merger.add_push(header, blocks, np.frombuffer(raw, dtype=dtype), time.monotonic())
@@ -315,8 +323,9 @@ class Server:
             if value.size != header.n_elems:
                 raise RemoteProtocolError("INIT value size does not match its header")
             value = value.copy()
-            self._values[key] = (self._optimizer.to_weight(value) if self._optimizer
-                                 else value)
+            self._values[key] = value
+            if self._optimizer is not None:
+                self._weights[key] = self._optimizer.wrap(value)
             self._init_gen[key] = generation
             self.merger.forget(*key)
         self._init_requests.setdefault(key, []).append((header.rank, header.step, generation))
@@ -327,9 +336,8 @@ class Server:
             self._send_value(request[0], header._replace(rank=request[0], step=request[1]),
                              self._values[key])
 
-    def _send_value(self, rank: int, header: Header, value) -> None:
-        array = value if isinstance(value, np.ndarray) else value.asnumpy()
-        array = array.astype(code_dtype(header.dtype), copy=False)
+    def _send_value(self, rank: int, header: Header, value: np.ndarray) -> None:
+        array = value.astype(code_dtype(header.dtype), copy=False)
         self._send(rank, header._replace(type=MsgType.VALUE, n_elems=array.size), array)
 
     def _send(self, rank: int, header: Header, *payload) -> None:
@@ -347,9 +355,8 @@ class Server:
         key = (closed.key, closed.part)
         flags = 0
         if self._optimizer is not None:
-            weight = self._values[key]
-            self._optimizer.update(closed.key, weight, closed.merged)
-            payload = weight.asnumpy().astype(closed.merged.dtype, copy=False)
+            self._optimizer.update(closed.key, self._weights[key], closed.merged)
+            payload = self._values[key]
             flags |= FLAG_WEIGHTS
         else:
             self._values[key] = closed.merged
@@ -359,9 +366,9 @@ class Server:
         grace_us = int(closed.grace_s * 1e6)
         for rank in range(self.config.num_workers):
             header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
-                            dtype=dtype_code(closed.merged.dtype), key=closed.key,
+                            dtype=dtype_code(payload.dtype), key=closed.key,
                             part=closed.part, flags=flags, step=closed.step,
-                            n_elems=closed.merged.size,
+                            n_elems=payload.size,
                             udp_expected=int(closed.udp_expected[rank]),
                             udp_merged=int(closed.udp_merged[rank]),
                             udp_late=int(closed.udp_late[rank]), grace_us=min(grace_us, 2**32 - 1))

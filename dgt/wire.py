@@ -17,6 +17,8 @@ WELCOME        --                                     server's answer; rank = th
 PUSH           block indices (uint32), payload         reliable part of (key, part, step);
                                                        ``block`` = #reliable blocks,
                                                        ``udp_expected`` = #datagrams sent on UDP
+PUSH_END       --                                     the UDP datagrams of (key, part, step) are
+                                                       all sent; the grace window starts here
 REPLY          payload, [missing-slot bitmap]          merged result of (key, part, step) + stats
 INIT           [payload]                              broadcast/init; rank 0 carries the value
 VALUE          payload                                the stored value (answer to INIT / PULL)
@@ -68,6 +70,7 @@ class MsgType(enum.IntEnum):
     ACK = 11
     BYE = 12
     ERROR = 13
+    PUSH_END = 14
 
 
 class Header(NamedTuple):

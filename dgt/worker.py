@@ -331,6 +331,7 @@ class Worker:
                         int(blocks.block_lengths[udp_blocks[chosen]].sum()) * values.dtype.itemsize)
         if len(slots):
             self._send_datagrams(base, layout, values, channels, slots, stats, part.server)
+            self._send(part.server, [encode_header(base._replace(type=MsgType.PUSH_END))])
 
     def _send_datagrams(self, base: Header, layout: FragmentLayout, values: np.ndarray,
                         channels: np.ndarray, slots: np.ndarray, stats: Optional[StepStats],
@@ -604,11 +605,15 @@ class Worker:
     def _fill(entry: _Inflight, header: Header, frame) -> None:
         pending, part = entry.pending, entry.part
         data = np.frombuffer(frame.buffer, dtype=code_dtype(header.dtype))
-        if data.size != part.n_elems or pending.result is None:
+        if pending.result is None or data.size != part.n_elems or data.dtype != pending.result.dtype:
             pending._fail(RemoteProtocolError(
-                f"{pending.what}: reply has {data.size} elements, expected {part.n_elems}"))
+                f"{pending.what}: reply has {data.size} elements of {data.dtype}, expected "
+                f"{part.n_elems}"))
             return
-        pending.result[part.start:part.stop] = data
+        if part.n_elems == pending.result.size:
+            pending.result = data  # the whole key: keep the received buffer, no copy
+        else:
+            pending.result[part.start:part.stop] = data
 
     def _pop(self, ident: tuple) -> Optional[_Inflight]:
         with self._inflight_lock:

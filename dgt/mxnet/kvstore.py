@@ -55,9 +55,7 @@ class _AwaitResult(mx.operator.CustomOp):
         except Exception as exc:  # keep the real error for the next kvstore call
             store._remember_error(exc)
             raise
-        target = out_data[0]
-        self.assign(target, req[0], mx.nd.array(result.reshape(shape), ctx=target.context,
-                                                dtype=target.dtype))
+        self.assign(out_data[0], req[0], _wrap(result, shape))
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         raise RuntimeError("dgt_await has no gradient")
@@ -83,6 +81,12 @@ class _AwaitResultProp(mx.operator.CustomOpProp):
 
     def create_operator(self, ctx, shapes, dtypes):
         return _AwaitResult(self._ticket)
+
+
+def _wrap(result: np.ndarray, shape) -> "mx.nd.NDArray":
+    """A CPU NDArray over ``result``'s memory (no copy).  Copying it into the target is an
+    NDArray-to-NDArray copy, which also works for weights held in MKLDNN layout."""
+    return mx.nd.from_numpy(np.ascontiguousarray(result).reshape(shape), zero_copy=True)
 
 
 def _as_list(value):
@@ -240,9 +244,7 @@ class DGT(KVStoreBase):
     def _write_when_ready(self, pending: Pending, targets) -> None:
         for target in targets:
             if pending.done():
-                result = pending.wait()
-                target[:] = mx.nd.array(result.reshape(target.shape), ctx=target.context,
-                                        dtype=target.dtype)
+                target[:] = _wrap(pending.wait(), target.shape)
                 continue
             ticket = next(_ticket_ids)
             with _tickets_lock:
