@@ -6,14 +6,13 @@ variables (``DMLC_*``) are understood as fallbacks so that cluster launchers wri
 ``dist_sync`` can start dgt.  Values are validated once, at construction, and a bad value
 raises :class:`~dgt.errors.ConfigError` naming the variable and its allowed range.
 
-The table in the README is generated from :data:`KNOBS` (``python -m dgt.config``), and a
+The table in the README is generated from :data:`KNOBS` (``python -m dgt config``), and a
 test checks that the two agree.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Tuple
 
@@ -313,7 +312,3 @@ def markdown_table() -> str:
         default = f"`{default}`" if default != "" else "(empty)"
         lines.append(f"| `{k.env}` | {default} | {k.allowed} | {k.roles} | {k.doc} |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover - documentation helper
-    sys.stdout.write(markdown_table() + "\n")

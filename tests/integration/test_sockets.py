@@ -1,0 +1,185 @@
+"""Workers and servers over real localhost sockets (threads in this process)."""
+import json
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from dgt.errors import StepTimeout
+from dgt.lossmodel import dropped_slots
+from dgt.partition import BlockLayout, FragmentLayout
+from dgt.policy import assign_channels
+from dgt.scoring import block_mean_abs
+from dgt.wire import Header, MsgType, encode_header
+from dgt.worker import Worker
+
+from ..conftest import run_workers
+
+SIZES = (1, 1023, 1024, 1025, 100_000)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_pushpull_of_rank_plus_one_sums_to_six_without_loss(make_job, dtype):
+    config, _ = make_job(3, threshold=0.3, threshold_min=0.1, adaptive=False, grace_ms=5000)
+
+    def body(worker):
+        pendings = [worker.pushpull(i, np.ones(n, dtype) * (worker.rank + 1))
+                    for i, n in enumerate(SIZES)]  # all keys in flight at once
+        return [p.wait() for p in pendings], worker.counters
+
+    results = run_workers(config, body, 3)
+    for rank in range(3):
+        for n, result in zip(SIZES, results[rank][0]):
+            assert result.dtype == dtype and result.shape == (n,)
+            assert (result == 6).all(), f"size {n}"
+
+
+def delivered_slots(config, rank, key, step, values, k):
+    """Which fragment slots of this worker's push reach the merge: the test's own oracle."""
+    layout = FragmentLayout(BlockLayout(values.size, config.block_elems),
+                            config.udp_payload_bytes // values.dtype.itemsize)
+    channels = assign_channels(block_mean_abs(layout.blocks, values), k, config.udp_channels)
+    reliable = np.repeat(channels == 0, layout.frags_per_block)
+    udp = layout.slots_of_blocks(np.flatnonzero(channels))
+    lost = np.zeros(layout.n_slots, dtype=bool)
+    lost[udp] = dropped_slots(config.udp_drop, config.seed, rank, key, 0, step, udp)
+    return layout, layout.valid_slots & (reliable | ~lost)
+
+
+@pytest.mark.parametrize("mode, feedback", [("drop", False), ("drop", True), ("diff", False),
+                                            ("rescale", False)])
+def test_seeded_loss_merges_exactly_the_surviving_blocks(make_job, mode, feedback):
+    config, servers = make_job(3, threshold=0.3, threshold_min=0.1, adaptive=False,
+                               udp_drop=0.2, seed=11, grace_ms=100, receive_mode=mode,
+                               error_feedback=feedback)
+    n = 20_000
+    data = {r: np.random.default_rng(r).integers(-8, 9, n).astype(np.float32) for r in range(3)}
+    results = run_workers(config, lambda w: w.pushpull(7, data[w.rank]).wait(), 3)
+    counts = np.zeros(0)
+    expected = np.zeros(n, dtype=np.float64)
+    for rank in range(3):
+        layout, slots = delivered_slots(config, rank, 7, 0, data[rank], 0.3)
+        mask = layout.element_mask(slots)
+        expected[mask] += data[rank][mask]
+        counts = counts + slots if counts.size else slots.astype(int)
+    assert (counts < 3).any(), "the seeded loss should have hit some block"
+    if mode == "rescale":
+        scale = np.where(counts > 0, 3 / np.maximum(counts, 1), 1.0)
+        per_elem = np.repeat(scale.reshape(layout.blocks.n_blocks, -1), layout.frag_elems,
+                             axis=1)[:, :config.block_elems].reshape(-1)[:n]
+        expected *= per_elem
+    for rank in range(3):
+        np.testing.assert_allclose(results[rank], expected, rtol=1e-6)
+    assert servers[0].server.merger.counters.get("merged", 0) > 0
+
+
+def test_error_feedback_loses_nothing_for_good(make_job):
+    config, _ = make_job(3, threshold=0.3, threshold_min=0.1, adaptive=False, udp_drop=0.3,
+                         seed=3, grace_ms=50)
+    n, steps = 30_000, 6
+
+    def body(worker):
+        rng = np.random.default_rng(100 + worker.rank)
+        pushed = np.zeros(n)
+        merged = np.zeros(n)
+        for _ in range(steps):
+            grad = rng.integers(-20, 21, n).astype(np.float32)
+            pushed += grad
+            merged += worker.pushpull(0, grad).wait()
+        residual = worker._memory.owed((0, 0))
+        return pushed, merged, np.zeros(n) if residual is None else residual
+
+    results = run_workers(config, body, 3)
+    total_pushed = sum(results[r][0] for r in range(3))
+    total_owed = sum(results[r][2] for r in range(3))
+    merged = results[0][1]
+    assert np.abs(total_owed).sum() > 0, "loss should leave something owed"
+    np.testing.assert_array_equal(merged + total_owed, total_pushed)
+    np.testing.assert_array_equal(results[1][1], merged)
+
+
+def test_two_servers_slice_big_tensors_and_shard_small_ones(make_job):
+    config, servers = make_job(2, num_servers=2, bigarray_elems=4096, threshold=0.5,
+                               adaptive=False, grace_ms=5000)
+
+    def body(worker):
+        out = []
+        for key, n in enumerate((10, 4095, 4096, 50_001)):
+            out.append(worker.pushpull(key, np.full(n, worker.rank + 1, np.float32)).wait())
+        return out
+
+    results = run_workers(config, body, 2)
+    for result in results[0] + results[1]:
+        assert (result == 3).all()
+    assert all(s.server.counters["steps_closed"] > 0 for s in servers)
+
+
+def test_broadcast_init_and_pull(make_job):
+    config, _ = make_job(2, grace_ms=1000)
+
+    def body(worker):
+        mine = np.full(5, 10.0 * (worker.rank + 1), np.float32)
+        got = worker.broadcast(0, mine).wait().copy()
+        worker.init(1, mine).wait()
+        initial = worker.pull(1, mine).wait().copy()
+        worker.pushpull(1, mine).wait()
+        worker.barrier()
+        after = worker.pull(1, mine).wait().copy()
+        return got, initial, after
+
+    results = run_workers(config, body, 2)
+    for rank in range(2):
+        got, initial, after = results[rank]
+        assert (got == 10).all() and (initial == 10).all() and (after == 30).all()
+
+
+def test_garbage_and_foreign_datagrams_are_counted_and_harmless(make_job):
+    config, servers = make_job(2, threshold=0.3, adaptive=False, grace_ms=2000)
+    server = servers[0]
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    foreign = encode_header(Header(MsgType.DATA, job=1, rank=0, channel=1, dtype=1, n_elems=8,
+                                   block_elems=8, frag_elems=8)) + bytes(32)
+    for payload in (b"", b"garbage" * 10, bytes(60), foreign):
+        sock.sendto(payload, ("127.0.0.1", server.port))
+    sock.close()
+
+    def body(worker):
+        return worker.pushpull(0, np.full(10_000, worker.rank + 1, np.float32)).wait()
+
+    results = run_workers(config, body, 2)
+    assert (results[0] == 3).all() and (results[1] == 3).all()
+    assert server.server.counters["udp_malformed"] == 3
+    assert server.server.counters["udp_foreign"] == 1
+
+
+def test_a_missing_server_fails_within_the_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from dgt.config import Config
+
+    start = time.monotonic()
+    with pytest.raises(StepTimeout, match="DGT_TIMEOUT_S"):
+        Worker(Config(server_addrs=f"127.0.0.1:{port}", timeout_s=1.0, rank=0))
+    assert time.monotonic() - start < 5
+
+
+def test_stats_are_written_as_json_lines(make_job, tmp_path):
+    config, _ = make_job(2, threshold=0.3, adaptive=False, udp_drop=0.2, grace_ms=30,
+                         stats=str(tmp_path / "stats-{rank}.jsonl"))
+
+    def body(worker):
+        for _ in range(3):
+            for key in range(2):
+                worker.pushpull(key, np.ones(8192, np.float32)).wait()
+
+    run_workers(config, body, 2)
+    lines = (tmp_path / "stats-1.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    first = records[0]
+    assert first["keys"] == 2 and first["k"] == 0.3 and len(first["bytes_per_channel"]) == 4
+    assert first["bytes_per_channel"][0] > 0 and sum(first["bytes_per_channel"][1:]) > 0
+    assert first["udp_expected"] == first["udp_merged"] + first["udp_lost"]
+    assert first["datagrams_injected_loss"] > 0 and first["udp_lost"] >= first["datagrams_injected_loss"]

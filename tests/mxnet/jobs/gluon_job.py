@@ -1,0 +1,55 @@
+"""A small Gluon job for the MXNet tests: train N steps, save every parameter per rank."""
+import argparse
+import os
+
+import numpy as np
+
+import dgt  # noqa: F401  (makes kvstore='dgt' available)
+import mxnet as mx
+from mxnet import autograd, gluon
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--kvstore", required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--update-on-kvstore", choices=("auto", "0", "1"), default="auto")
+parser.add_argument("--report-loss", action="store_true")
+args = parser.parse_args()
+
+mx.random.seed(7)
+np.random.seed(7)
+contexts = [mx.cpu(i) for i in range(args.devices)]
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(300, activation="relu"), gluon.nn.Dense(64, activation="relu"),
+        gluon.nn.Dense(10))
+net.initialize(mx.init.Xavier(), ctx=contexts)
+net.hybridize()
+uok = None if args.update_on_kvstore == "auto" else args.update_on_kvstore == "1"
+trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
+                        kvstore=args.kvstore, update_on_kvstore=uok)
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+rank = int(os.environ.get("DGT_RANK", "0"))
+rng = np.random.RandomState(100 + rank)  # every worker sees different data
+batch = 16
+for step in range(args.steps):
+    x = rng.randn(batch * args.devices, 200).astype(np.float32)
+    y = rng.randint(0, 10, batch * args.devices)
+    xs = gluon.utils.split_and_load(x, contexts)
+    ys = gluon.utils.split_and_load(y, contexts)
+    with autograd.record():
+        losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
+    for loss in losses:
+        loss.backward()
+    trainer.step(batch * args.devices)
+    if args.report_loss:
+        trainer._kvstore.report_loss(float(sum(l.mean().asscalar() for l in losses)))
+
+kv = trainer._kvstore
+assert kv is not None, "the kvstore was dropped: training ran locally"
+params = net.collect_params()
+weights = np.concatenate([params[name].data(contexts[-1]).asnumpy().ravel()
+                          for name in sorted(params.keys())])
+np.save(os.path.join(args.out, f"{args.kvstore}-{rank}.npy"), weights)
+print(f"rank {kv.rank} type {kv.type} update_on_kvstore {trainer._update_on_kvstore} "
+      f"workers {kv.num_workers}", flush=True)

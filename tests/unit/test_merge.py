@@ -1,0 +1,183 @@
+"""StepMerger against hand-computed oracles (no sockets)."""
+import numpy as np
+import pytest
+
+from dgt.errors import RemoteProtocolError
+from dgt.merge import Outcome, StepMerger
+from dgt.partition import BlockLayout, FragmentLayout
+from dgt.wire import Header, MsgType
+
+N, B, FE = 2500, 1024, 350  # 3 blocks (1024, 1024, 452), 3 fragment slots per block
+LAYOUT = FragmentLayout(BlockLayout(N, B), FE)
+
+
+def push(merger, rank, step, values, blocks, udp=0, now=0.0, key=1):
+    header = Header(MsgType.PUSH, rank=rank, dtype=1, key=key, step=step, n_elems=N,
+                    block_elems=B, frag_elems=FE, block=len(blocks), udp_expected=udp)
+    blocks = np.asarray(blocks, dtype=np.int64)
+    merger.add_push(header, blocks, LAYOUT.blocks.gather(values, blocks), now)
+    return header
+
+
+def end(merger, header, now=0.0):
+    merger.add_push_end(header._replace(type=MsgType.PUSH_END), now)
+
+
+def frag(merger, rank, step, values, block, f, now=0.0, key=1):
+    start, stop = LAYOUT.frag_range(block, f)
+    header = Header(MsgType.DATA, rank=rank, channel=1, dtype=1, key=key, step=step,
+                    n_elems=N, block_elems=B, frag_elems=FE, block=block, frag=f)
+    return merger.add_fragment(header, values[start:stop].tobytes(), now)
+
+
+def data(rank):
+    return np.arange(N, dtype=np.float32) * (rank + 1)
+
+
+def test_all_reliable_step_is_the_exact_sum():
+    merger = StepMerger(3)
+    for r in range(3):
+        push(merger, r, 0, data(r), [0, 1, 2])
+    closed, = merger.poll(0.0)
+    np.testing.assert_array_equal(closed.merged, data(0) * 6)
+    assert closed.step == 0 and not closed.missing.any()
+
+
+def test_step_waits_for_every_worker_and_every_announced_datagram():
+    merger = StepMerger(2, grace_s=1.0)
+    h0 = push(merger, 0, 0, data(0), [0, 2], udp=3)
+    push(merger, 1, 0, data(1), [0, 1, 2])
+    end(merger, h0, now=0.0)
+    assert merger.poll(0.0) == []
+    for f in range(3):
+        assert frag(merger, 0, 0, data(0), 1, f) == Outcome.MERGED
+    closed, = merger.poll(0.001)
+    np.testing.assert_array_equal(closed.merged, data(0) * 3)
+    assert closed.udp_merged.tolist() == [3, 0] and closed.udp_expected.tolist() == [3, 0]
+
+
+def test_grace_window_starts_at_the_end_marker_and_bounds_the_wait():
+    merger = StepMerger(1, grace_s=0.5)
+    header = push(merger, 0, 0, data(0), [0], udp=6, now=0.0)
+    assert merger.poll(100.0) == []  # no end marker yet: datagrams may still be leaving
+    end(merger, header, now=100.0)
+    frag(merger, 0, 0, data(0), 1, 0)
+    assert merger.poll(100.4) == []
+    assert merger.next_deadline() == pytest.approx(100.5)
+    closed, = merger.poll(100.5)
+    expected = np.zeros(N, np.float32)
+    expected[:B] = data(0)[:B]
+    expected[B:B + FE] = data(0)[B:B + FE]
+    np.testing.assert_array_equal(closed.merged, expected)
+    assert closed.grace_s == pytest.approx(0.5)
+    missing = np.flatnonzero(closed.missing[0]).tolist()
+    assert missing == [4, 5, 6, 7]  # block 1 frags 1-2, block 2 frags 0-1 (slot 8 absent)
+
+
+def test_drop_mode_discards_late_datagrams_and_reports_them():
+    merger = StepMerger(1, grace_s=0.0)
+    h = push(merger, 0, 0, data(0), [0, 2], udp=3)
+    end(merger, h)
+    merger.poll(1.0)
+    assert frag(merger, 0, 0, data(0), 1, 0) == Outcome.LATE_DROPPED
+    h = push(merger, 0, 1, data(0), [0, 1, 2])
+    closed, = merger.poll(2.0)
+    np.testing.assert_array_equal(closed.merged, data(0))  # nothing stale added
+    assert closed.udp_late.tolist() == [1]
+
+
+def test_diff_mode_adds_a_one_step_late_block_to_the_next_step():
+    merger = StepMerger(1, receive_mode="diff", grace_s=0.0, error_feedback=False)
+    h = push(merger, 0, 0, data(0), [0, 2], udp=3)
+    end(merger, h)
+    closed, = merger.poll(1.0)
+    assert not closed.merged[B:2 * B].any()  # lost = zero
+    assert frag(merger, 0, 0, data(0), 1, 0) == Outcome.LATE_MERGED
+    assert frag(merger, 0, 0, data(0), 1, 0) == Outcome.DUPLICATE
+    assert frag(merger, 0, 0, data(0), 0, 0) == Outcome.DUPLICATE  # was reliable
+    push(merger, 0, 1, data(1), [0, 1, 2])
+    closed, = merger.poll(2.0)
+    expected = data(1).copy()
+    expected[B:B + FE] += data(0)[B:B + FE]
+    np.testing.assert_array_equal(closed.merged, expected)
+    assert closed.udp_late.tolist() == [1]
+    assert frag(merger, 0, 0, data(0), 1, 1) == Outcome.LATE_DROPPED  # two steps late
+
+
+def test_rescale_mode_scales_blocks_by_workers_over_deliverers():
+    merger = StepMerger(3, receive_mode="rescale", grace_s=0.0, error_feedback=False)
+    headers = [push(merger, 0, 0, data(0), [0, 1, 2]), push(merger, 1, 0, data(1), [0, 2], udp=3),
+               push(merger, 2, 0, data(2), [0, 2], udp=3)]
+    for f in range(3):
+        frag(merger, 1, 0, data(1), 1, f)
+    frag(merger, 2, 0, data(2), 1, 0)
+    for h in headers[1:]:
+        end(merger, h)
+    closed, = merger.poll(1.0)
+    expected = data(0) * 6
+    s1 = slice(B + FE, 2 * B)  # block 1, fragments 1-2: delivered by ranks 0 and 1
+    expected[s1] = (data(0)[s1] + data(1)[s1]) * 3 / 2
+    np.testing.assert_allclose(closed.merged, expected, rtol=1e-6)
+
+
+def test_duplicates_stale_and_foreign_steps_are_dropped():
+    merger = StepMerger(2, grace_s=10.0)
+    h = push(merger, 0, 0, data(0), [0], udp=6)
+    assert frag(merger, 0, 0, data(0), 1, 0) == Outcome.MERGED
+    assert frag(merger, 0, 0, data(0), 1, 0) == Outcome.DUPLICATE
+    assert frag(merger, 0, 0, data(0), 0, 0) == Outcome.DUPLICATE  # block 0 came reliably
+    assert frag(merger, 0, 7, data(0), 1, 0) == Outcome.STALE
+    assert frag(merger, 5, 0, data(0), 1, 0) == Outcome.STALE
+    assert frag(merger, 0, 3, data(0), 1, 0, key=99) == Outcome.STALE  # unknown part, not step 0
+    assert merger.counters[Outcome.DUPLICATE] == 2
+    end(merger, h)
+
+
+def test_datagram_may_arrive_before_its_push():
+    merger = StepMerger(1, grace_s=10.0)
+    assert frag(merger, 0, 0, data(0), 1, 0) == Outcome.MERGED
+    h = push(merger, 0, 0, data(0), [0, 2], udp=3)
+    end(merger, h)
+    for f in (1, 2):
+        frag(merger, 0, 0, data(0), 1, f)
+    closed, = merger.poll(0.0)
+    np.testing.assert_array_equal(closed.merged, data(0))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("wrong_step", "expected step 0"),
+    ("twice", "second PUSH"),
+    ("unsorted", "not ascending"),
+    ("short", "payload has"),
+    ("rank", "from rank 9"),
+    ("too_many_udp", "announces"),
+])
+def test_inconsistent_pushes_are_refused_without_merging(case, message):
+    merger = StepMerger(2)
+    header = Header(MsgType.PUSH, rank=0, dtype=1, key=1, step=0, n_elems=N, block_elems=B,
+                    frag_elems=FE)
+    blocks, payload = np.array([0, 1]), data(0)[:2 * B]
+    if case == "wrong_step":
+        header = header._replace(step=1)
+    elif case == "twice":
+        merger.add_push(header, blocks, payload, 0.0)
+    elif case == "unsorted":
+        blocks = np.array([1, 0])
+    elif case == "short":
+        payload = payload[:-1]
+    elif case == "rank":
+        header = header._replace(rank=9)
+    elif case == "too_many_udp":
+        header = header._replace(udp_expected=100)
+    with pytest.raises(RemoteProtocolError, match=message):
+        merger.add_push(header, blocks, payload, 0.0)
+
+
+def test_float16_parts_accumulate_in_float32():
+    merger = StepMerger(3)
+    for r, value in enumerate((2048, 1, 1)):  # in float16, 2048 + 1 + 1 == 2048
+        header = Header(MsgType.PUSH, rank=r, dtype=2, key=1, step=0, n_elems=4, block_elems=B,
+                        frag_elems=700, block=1)
+        merger.add_push(header, np.array([0]), np.full(4, value, np.float16), 0.0)
+    closed, = merger.poll(0.0)
+    assert closed.merged.dtype == np.float16 and closed.merged[0] == 2050

@@ -1,0 +1,72 @@
+import numpy as np
+import pytest
+
+from dgt.partition import BlockLayout, FragmentLayout, plan_parts
+
+
+@pytest.mark.parametrize("n, b, blocks, last", [(1, 1024, 1, 1), (1023, 1024, 1, 1023),
+                                                 (1024, 1024, 1, 1024), (1025, 1024, 2, 1),
+                                                 (100000, 1024, 98, 672)])
+def test_block_layout_counts(n, b, blocks, last):
+    layout = BlockLayout(n, b)
+    assert layout.n_blocks == blocks and layout.last_block_elems == last
+    assert layout.block_lengths.sum() == n
+
+
+def test_gather_then_scatter_restores_the_chosen_blocks(rng):
+    layout = BlockLayout(5000, 64)
+    flat = rng.standard_normal(5000).astype(np.float32)
+    chosen = np.array([0, 3, 7, layout.n_blocks - 1])
+    payload = layout.gather(flat, chosen)
+    expected = np.concatenate([flat[b * 64:(b + 1) * 64] for b in chosen])
+    np.testing.assert_array_equal(payload, expected)
+    assert payload.size == layout.payload_elems(chosen)
+    padded = np.zeros(layout.padded_elems, dtype=np.float32)
+    layout.scatter_add_(padded, chosen, payload)
+    mask = np.zeros(5000, dtype=bool)
+    for b in chosen:
+        mask[b * 64:(b + 1) * 64] = True
+    np.testing.assert_array_equal(padded[:5000][mask], flat[mask])
+    assert not padded[:5000][~mask].any()
+
+
+def test_gather_without_last_block_and_empty(rng):
+    layout = BlockLayout(300, 100)
+    flat = np.arange(300, dtype=np.float32)
+    np.testing.assert_array_equal(layout.gather(flat, np.array([1])), flat[100:200])
+    assert layout.gather(flat, np.array([], dtype=np.int64)).size == 0
+
+
+def test_fragment_layout_matches_a_naive_enumeration():
+    layout = FragmentLayout(BlockLayout(2500, 1024), 350)
+    assert layout.frags_per_block == 3
+    naive = []
+    for b in range(layout.blocks.n_blocks):
+        start, stop = layout.blocks.block_range(b)
+        for j, f in enumerate(range(start, stop, 350)):
+            naive.append((b * 3 + j, f, min(f + 350, stop)))
+    valid = np.flatnonzero(layout.valid_slots)
+    assert valid.tolist() == [s for s, _, _ in naive]
+    for slot, start, stop in naive:
+        assert layout.frag_range(slot // 3, slot % 3) == (start, stop)
+    assert layout.slots_of_blocks(np.array([2])).tolist() == [6, 7]  # last block: 452 elems
+
+
+def test_element_mask_expands_slots():
+    layout = FragmentLayout(BlockLayout(2500, 1024), 350)
+    slots = np.zeros(layout.n_slots, dtype=bool)
+    slots[[1, 7]] = True
+    mask = layout.element_mask(slots)
+    expected = np.zeros(2500, dtype=bool)
+    expected[350:700] = True
+    expected[2048 + 350:2500] = True
+    np.testing.assert_array_equal(mask, expected)
+
+
+def test_plan_parts_shards_small_and_slices_big_tensors():
+    assert [p.server for p in plan_parts(10, key_id=3, num_servers=4, bigarray_elems=100)] == [
+        (3 * 9973) % 4]
+    parts = plan_parts(1001, key_id=0, num_servers=3, bigarray_elems=100)
+    assert [(p.server, p.start, p.stop) for p in parts] == [(0, 0, 333), (1, 333, 667),
+                                                           (2, 667, 1001)]
+    assert plan_parts(5, 0, 1, 1)[0].n_elems == 5

@@ -1,0 +1,83 @@
+import numpy as np
+import pytest
+
+from dgt.errors import RemoteProtocolError
+from dgt.wire import (HEADER_BYTES, Header, MsgType, decode_datagram, decode_header,
+                      encode_header, expected_fragment_bytes)
+
+
+def data_header(**kw):
+    base = dict(job=9, rank=1, channel=2, dtype=1, key=5, part=0, step=3, n_elems=2500,
+                block_elems=1024, frag_elems=350, block=2, frag=1)
+    base.update(kw)
+    return Header(MsgType.DATA, **base)
+
+
+def datagram(header, nbytes=None):
+    size = expected_fragment_bytes(header) if nbytes is None else nbytes
+    return encode_header(header) + np.arange(size, dtype=np.uint8).tobytes()
+
+
+def test_header_round_trip_every_type():
+    for mtype in MsgType:
+        header = Header(mtype, job=2**32 - 1, rank=65535, channel=7, dtype=2, key=2**31,
+                        part=3, flags=5, step=123456, n_elems=10**9, block_elems=1024,
+                        frag_elems=700, block=17, frag=2, udp_expected=9, udp_merged=8,
+                        udp_late=1, grace_us=5000)
+        assert decode_header(encode_header(header)) == header
+    assert len(encode_header(Header(MsgType.ACK))) == HEADER_BYTES
+
+
+def test_datagram_round_trip_gives_a_payload_view():
+    header = data_header()
+    buf = datagram(header)
+    decoded, payload = decode_datagram(buf)
+    assert decoded == header
+    assert len(payload) == (452 - 350) * 4  # last block has 452 elems, frag 1 holds 102
+    assert bytes(payload) == buf[HEADER_BYTES:]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b[:10], "shorter than a header"),
+    (lambda b: b"XX" + b[2:], "bad magic"),
+    (lambda b: b[:2] + bytes([99]) + b[3:], "unsupported protocol version"),
+    (lambda b: b[:3] + bytes([200]) + b[4:], "unknown message type"),
+    (lambda b: b[:-4], "payload of"),
+    (lambda b: b + b"\0", "payload of"),
+])
+def test_corrupted_datagrams_are_rejected(mutate, message):
+    with pytest.raises(RemoteProtocolError, match=message):
+        decode_datagram(mutate(datagram(data_header())))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(block=3), "block 3 out of range"),
+    (dict(frag=2), "fragment 2 out of range"),
+    (dict(dtype=3), "may not travel over UDP"),
+    (dict(dtype=77), "may not travel over UDP"),
+    (dict(channel=0), "channel 0"),
+    (dict(n_elems=0), "bad sizes"),
+    (dict(frag_elems=0), "bad sizes"),
+])
+def test_out_of_range_fields_are_rejected(fields, message):
+    header = data_header(**fields)
+    with pytest.raises(RemoteProtocolError, match=message):
+        decode_datagram(encode_header(header) + bytes(400))
+
+
+def test_non_data_type_is_rejected_on_udp():
+    with pytest.raises(RemoteProtocolError, match="expected DATA"):
+        decode_datagram(encode_header(Header(MsgType.PUSH)))
+
+
+def test_random_bytes_only_ever_raise_remote_protocol_error(rng):
+    valid = datagram(data_header())
+    for _ in range(3000):
+        buf = bytearray(valid)
+        for pos in rng.integers(0, len(buf), size=rng.integers(1, 6)):
+            buf[pos] = rng.integers(0, 256)
+        buf = bytes(buf[:rng.integers(0, len(buf) + 1)])
+        try:
+            decode_datagram(buf)
+        except RemoteProtocolError:
+            pass
