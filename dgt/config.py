@@ -101,6 +101,10 @@ KNOBS: Tuple[Knob, ...] = (
          "MXNET_KVSTORE_BIGARRAY_BOUND); smaller ones go whole to one server.", "worker"),
     Knob("timeout_s", "DGT_TIMEOUT_S", float, 300.0, "1..86400", _in(1.0, 86400.0),
          "Longest wait for any reply or peer before failing with a clear error.", "all"),
+    Knob("log_level", "DGT_LOG_LEVEL", str, "INFO", "DEBUG|INFO|WARNING|ERROR",
+         lambda v: v in ("DEBUG", "INFO", "WARNING", "ERROR"),
+         "Log level of the server process (workers log through the application's logging "
+         "set-up).", "server"),
     Knob("stats", "DGT_STATS", str, "", "a file path, or empty", None,
          "Write one JSON line per step per worker (bytes and blocks per channel, loss, k, "
          "grace, latency). '{rank}' in the path is replaced by the worker rank.", "worker"),
@@ -187,6 +191,7 @@ class Config:
     seed: int = 0
     bigarray_elems: int = 1_000_000
     timeout_s: float = 300.0
+    log_level: str = "INFO"
     stats: str = ""
     role: str = "worker"
     rank: int = -1

@@ -6,7 +6,7 @@ worker pushes is eventually merged or still held here: ``sum(merged) + residual 
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable
+from typing import Dict, Hashable, Optional
 
 import numpy as np
 
@@ -19,12 +19,17 @@ class ResidualMemory:
     def __init__(self):
         self._residuals: Dict[Hashable, np.ndarray] = {}
 
-    def compensate(self, key: Hashable, flat: np.ndarray) -> np.ndarray:
-        """``flat`` plus what is owed for ``key`` (a new array when something is owed)."""
+    def compensate(self, key: Hashable, flat: np.ndarray,
+                   out: Optional[np.ndarray] = None) -> np.ndarray:
+        """``flat`` plus what is owed for ``key``: ``flat`` itself when nothing is owed, else a
+        new array (or ``out``, same shape and dtype as ``flat``)."""
         residual = self._residuals.pop(key, None)
         if residual is None:
             return flat
-        return (flat.astype(residual.dtype) + residual).astype(flat.dtype, copy=False)
+        if out is None:
+            out = np.empty_like(flat)
+        np.add(flat, residual, out=out, casting="unsafe")
+        return out
 
     def remember(self, key: Hashable, sent: np.ndarray, missing: np.ndarray) -> int:
         """Keep ``sent[missing]`` for the next step; returns how many elements are kept."""

@@ -39,7 +39,7 @@ import numpy as np
 
 from .errors import RemoteProtocolError
 from .partition import BlockLayout, FragmentLayout
-from .wire import Header, code_dtype
+from .wire import Header, chunk_elems, code_dtype
 
 __all__ = ["StepMerger", "ClosedStep", "PartSpec", "Outcome"]
 
@@ -87,6 +87,8 @@ class ClosedStep:
     udp_merged: np.ndarray  # per worker
     udp_late: np.ndarray  # per worker: late datagrams merged here or dropped since last close
     grace_s: float  # time waited after the last end marker
+    first_push_time: float = 0.0
+    last_push_time: float = 0.0
 
 
 @dataclass
@@ -100,6 +102,7 @@ class _OpenStep:
     udp_expected: np.ndarray
     late_in: np.ndarray
     last_push_time: float = 0.0
+    first_push_time: Optional[float] = None
 
 
 @dataclass
@@ -111,6 +114,11 @@ class _PartState:
     # diff mode: which late fragments of the last closed step were already taken (dedupe).
     closed_received: Optional[np.ndarray] = None
     late_dropped: Optional[np.ndarray] = None
+    # Accumulators are recycled: a fresh 64 MB array page-faults on its first pass (~80 ms).
+    # The last closed step's buffer may still be read (replies in flight, the stored value);
+    # the one before it is free.
+    last_acc: Optional[np.ndarray] = None
+    spare_acc: Optional[np.ndarray] = None
 
 
 class StepMerger:
@@ -151,10 +159,15 @@ class StepMerger:
         if open_step is None:
             lay = state.layout
             w = self.num_workers
+            acc, state.spare_acc = state.spare_acc, None
+            if acc is None:
+                acc = np.zeros(lay.blocks.padded_elems,
+                               dtype=_accumulator_dtype(code_dtype(state.spec.dtype_code)))
+            else:
+                acc.fill(0)
             open_step = _OpenStep(
                 step=step,
-                acc=np.zeros(lay.blocks.padded_elems,
-                             dtype=_accumulator_dtype(code_dtype(state.spec.dtype_code))),
+                acc=acc,
                 received=np.zeros((w, lay.n_slots), dtype=bool),
                 reliable=np.zeros((w, lay.blocks.n_blocks), dtype=bool),
                 pushed=np.zeros(w, dtype=bool),
@@ -164,13 +177,14 @@ class StepMerger:
             state.steps[step] = open_step
         return open_step
 
-    def add_push(self, header: Header, blocks: np.ndarray, payload: np.ndarray,
+    def add_push(self, header: Header, blocks: np.ndarray, chunks: List[np.ndarray],
                  now: float) -> None:
         """The reliable part of ``header.rank``'s step ``header.step``.
 
-        ``blocks`` are ascending block indices, ``payload`` their values at true lengths
-        (see :meth:`BlockLayout.gather`).  Raises RemoteProtocolError on any inconsistency;
-        nothing is merged then.
+        ``blocks`` are ascending block indices; ``chunks`` their values at true lengths (see
+        :meth:`BlockLayout.gather`), cut at whole blocks as :meth:`BlockLayout.chunk_blocks`
+        does for :func:`dgt.wire.chunk_elems`.  Raises RemoteProtocolError on any
+        inconsistency; nothing is merged then.
         """
         rank = header.rank
         if not 0 <= rank < self.num_workers:
@@ -184,10 +198,12 @@ class StepMerger:
         if len(blocks) and (blocks[0] < 0 or blocks[-1] >= layout.n_blocks
                             or np.any(np.diff(blocks) <= 0)):
             raise RemoteProtocolError("PUSH block indices are not ascending and in range")
-        if payload.size != layout.payload_elems(blocks):
+        groups = layout.chunk_blocks(blocks, chunk_elems(code_dtype(header.dtype).itemsize))
+        if len(groups) != len(chunks) or any(
+                c.size != layout.payload_elems(g) for g, c in zip(groups, chunks)):
             raise RemoteProtocolError(
-                f"PUSH payload has {payload.size} elements, its {len(blocks)} blocks need "
-                f"{layout.payload_elems(blocks)}")
+                f"PUSH payload frames ({[c.size for c in chunks]} elements) do not match its "
+                f"{len(blocks)} blocks")
         open_step = self._open(state, header.step)
         if open_step.pushed[rank]:
             raise RemoteProtocolError(
@@ -203,8 +219,11 @@ class StepMerger:
         dup = open_step.received[rank].reshape(layout.n_blocks, -1)[blocks]
         if dup.any():
             raise RemoteProtocolError("PUSH repeats blocks that already arrived over UDP")
-        layout.scatter_add_(open_step.acc, blocks, payload)
+        for group, chunk in zip(groups, chunks):
+            layout.scatter_add_(open_step.acc, group, chunk)
         open_step.pushed[rank] = True
+        if open_step.first_push_time is None:
+            open_step.first_push_time = now
         open_step.udp_expected[rank] = header.udp_expected
         if header.udp_expected == 0:
             self._mark_ended(header, open_step, now)
@@ -322,13 +341,15 @@ class StepMerger:
         state.late_dropped = np.zeros(self.num_workers, dtype=np.int64)
         del state.steps[open_step.step]
         state.last_closed = open_step.step
+        state.spare_acc, state.last_acc = state.last_acc, open_step.acc
         state.closed_received = delivered if self.receive_mode == "diff" else None
         # A next step opened early by late (diff) or early datagrams may already be complete.
         if open_step.step + 1 in state.steps:
             self._candidates.add((key, part, open_step.step + 1))
         return ClosedStep(key, part, open_step.step, merged, missing,
                           open_step.udp_expected.copy(), open_step.received.sum(axis=1),
-                          late, max(0.0, now - open_step.last_push_time))
+                          late, max(0.0, now - open_step.last_push_time),
+                          open_step.first_push_time or now, open_step.last_push_time)
 
     def forget(self, key: int, part: int) -> None:
         """Drop every state of a part (used when a job re-initialises a key)."""

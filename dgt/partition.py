@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -83,22 +83,35 @@ class BlockLayout:
         start = block * self.block_elems
         return start, min(start + self.block_elems, self.n_elems)
 
-    def gather(self, flat: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    def gather(self, flat: np.ndarray, blocks: np.ndarray,
+               out: Optional[np.ndarray] = None) -> np.ndarray:
         """Concatenate the given blocks (ascending indices) at their true lengths.
 
-        Full blocks are gathered through a 2-D view in one fancy-indexing copy; only the
-        (shorter) last block is appended separately.
+        Full blocks are gathered through a 2-D view in one ``take``; only the (shorter) last
+        block is appended separately.  ``out`` (at least as long as the result) avoids a new
+        allocation; the result is then a view of it.
         """
         last = self.n_blocks - 1
         full = blocks[blocks < last]
         n_full = last * self.block_elems
-        rows = flat[:n_full].reshape(last, self.block_elems)[full].reshape(-1)
-        if len(full) == len(blocks):
-            return rows
-        return np.concatenate([rows, flat[n_full:]])
+        size = self.payload_elems(blocks)
+        result = np.empty(size, flat.dtype) if out is None else out[:size]
+        n_rows = len(full) * self.block_elems
+        np.take(flat[:n_full].reshape(last, self.block_elems), full, axis=0,
+                out=result[:n_rows].reshape(len(full), self.block_elems))
+        if len(full) != len(blocks):
+            result[n_rows:] = flat[n_full:]
+        return result
 
     def scatter_add_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray) -> None:
         """Inverse of :meth:`gather`: add ``payload`` into ``padded`` (``padded_elems`` long)."""
+        if not len(blocks):
+            return
+        first, count = int(blocks[0]), len(blocks)
+        if int(blocks[-1]) - first + 1 == count:  # a contiguous run: one slice, no fancy index
+            start = first * self.block_elems
+            padded[start:start + payload.size] += payload
+            return
         last = self.n_blocks - 1
         full = blocks[blocks < last]
         view = padded.reshape(self.n_blocks, self.block_elems)
@@ -107,6 +120,12 @@ class BlockLayout:
         if len(full) != len(blocks):
             start = last * self.block_elems
             padded[start:self.n_elems] += payload[n_rows:]
+
+    def chunk_blocks(self, blocks: np.ndarray, chunk_elems: int) -> List[np.ndarray]:
+        """Split ascending ``blocks`` into groups of whole blocks of at most ``chunk_elems``
+        elements (at least one block each): one group per wire frame."""
+        per_chunk = max(1, chunk_elems // self.block_elems)
+        return [blocks[i:i + per_chunk] for i in range(0, len(blocks), per_chunk)]
 
     def payload_elems(self, blocks: np.ndarray) -> int:
         """Number of elements :meth:`gather` returns for ``blocks``."""

@@ -30,7 +30,8 @@ from .partition import BlockLayout
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_WEIGHTS, NO_RANK, Header, MsgType,
-                   code_dtype, decode_datagram, decode_header, dtype_code, encode_header)
+                   code_dtype, decode_datagram, decode_header, dtype_code, encode_header,
+                   split_dense)
 
 __all__ = ["Server", "main"]
 
@@ -293,36 +294,38 @@ class Server:
             raise RemoteProtocolError("PUSH with empty sizes")
         layout = BlockLayout(header.n_elems, header.block_elems)
         if header.flags & FLAG_ALL_RELIABLE:
-            if len(frames) != 2:
-                raise RemoteProtocolError("PUSH (all reliable) needs one payload frame")
             blocks = np.arange(layout.n_blocks, dtype=np.int64)
-            raw = frames[1].buffer
+            payload_frames = frames[1:]
         else:
-            if len(frames) != 3:
-                raise RemoteProtocolError("PUSH needs an index frame and a payload frame")
+            if len(frames) < 2:
+                raise RemoteProtocolError("PUSH needs an index frame")
             index_bytes = frames[1].buffer
             if len(index_bytes) % 4 or len(index_bytes) // 4 != header.block:
                 raise RemoteProtocolError("PUSH index frame does not hold its block count")
             blocks = np.frombuffer(index_bytes, dtype=np.uint32).astype(np.int64)
-            raw = frames[2].buffer
-        if len(raw) % dtype.itemsize:
-            raise RemoteProtocolError("PUSH payload is not a whole number of elements")
+            payload_frames = frames[2:]
+        chunks = []
+        for frame in payload_frames:
+            raw = frame.buffer
+            if len(raw) % dtype.itemsize:
+                raise RemoteProtocolError("PUSH payload is not a whole number of elements")
+            chunks.append(np.frombuffer(raw, dtype=dtype))
         if self._optimizer is not None and (header.key, header.part) not in self._weights:
             raise RemoteProtocolError(f"push of key {header.key} before its weights were "
                                       "initialised (broadcast/init) on the server")
-        self.merger.add_push(header, blocks, np.frombuffer(raw, dtype=dtype), time.monotonic())
+        self.merger.add_push(header, blocks, chunks, time.monotonic())
 
     def _on_init(self, header: Header, frames) -> None:
         key = (header.key, header.part)
         self._init_seen[(header.rank, key)] += 1
         generation = self._init_seen[(header.rank, key)]
         if header.rank == 0:
-            if len(frames) != 2:
+            dtype = code_dtype(header.dtype)
+            if len(frames) < 2 or any(len(f.buffer) % dtype.itemsize for f in frames[1:]):
                 raise RemoteProtocolError("INIT from rank 0 must carry the value")
-            value = np.frombuffer(frames[1].buffer, dtype=code_dtype(header.dtype))
+            value = np.concatenate([np.frombuffer(f.buffer, dtype=dtype) for f in frames[1:]])
             if value.size != header.n_elems:
                 raise RemoteProtocolError("INIT value size does not match its header")
-            value = value.copy()
             self._values[key] = value
             if self._optimizer is not None:
                 self._weights[key] = self._optimizer.wrap(value)
@@ -337,8 +340,10 @@ class Server:
                              self._values[key])
 
     def _send_value(self, rank: int, header: Header, value: np.ndarray) -> None:
-        array = value.astype(code_dtype(header.dtype), copy=False)
-        self._send(rank, header._replace(type=MsgType.VALUE, n_elems=array.size), array)
+        # A copy: the stored value's buffer is recycled by later steps while this is in flight.
+        array = value.astype(code_dtype(header.dtype), copy=True)
+        self._send(rank, header._replace(type=MsgType.VALUE, n_elems=array.size),
+                   *split_dense(array))
 
     def _send(self, rank: int, header: Header, *payload) -> None:
         identity = self._identity.get(rank)
@@ -364,6 +369,7 @@ class Server:
         if closed.missing is not None:
             flags |= FLAG_FEEDBACK
         grace_us = int(closed.grace_s * 1e6)
+        chunks = split_dense(payload)
         for rank in range(self.config.num_workers):
             header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
                             dtype=dtype_code(payload.dtype), key=closed.key,
@@ -372,18 +378,24 @@ class Server:
                             udp_expected=int(closed.udp_expected[rank]),
                             udp_merged=int(closed.udp_merged[rank]),
                             udp_late=int(closed.udp_late[rank]), grace_us=min(grace_us, 2**32 - 1))
-            frames = [payload]
-            if closed.missing is not None:
-                frames.append(np.packbits(closed.missing[rank]))
-            self._send(rank, header, *frames)
+            bitmap = np.packbits(closed.missing[rank]) if closed.missing is not None else b""
+            self._send(rank, header, bitmap, *chunks)
         self.counters["steps_closed"] += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            now = time.monotonic()
+            logger.debug("key %d.%d step %d: pushes over %.1f ms, closed %.1f ms after the last "
+                         "end marker, replied after %.1f ms", closed.key, closed.part, closed.step,
+                         (closed.last_push_time - closed.first_push_time) * 1000,
+                         closed.grace_s * 1000, (now - closed.last_push_time) * 1000)
 
 
 def main(argv=None) -> int:
     """Entry point of ``python -m dgt.server``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = Config.from_env(role="server")
+        logging.getLogger().setLevel(config.log_level)
         server = Server(config)
     except DGTError as exc:
         logger.error("%s", exc)

@@ -36,7 +36,8 @@ from .stats import JsonLinesSink, StepStats
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLOAT_CODES, HEADER_BYTES, NO_RANK, Header,
-                   MsgType, code_dtype, decode_header, dtype_code, encode_header)
+                   MsgType, chunk_elems, code_dtype, decode_header, dtype_code, encode_header,
+                   split_dense)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -114,12 +115,32 @@ class _Inflight:
 
 
 @dataclass
+class _Scratch:
+    compensated: np.ndarray
+    absolute: np.ndarray
+    gathered: np.ndarray
+
+
+def _split_blocks(layout: BlockLayout, blocks: np.ndarray, payload: np.ndarray) -> list:
+    """``payload`` (the blocks' values, ascending) cut into wire frames at whole blocks."""
+    groups = layout.chunk_blocks(blocks, chunk_elems(payload.dtype.itemsize))
+    frames, offset = [], 0
+    for group in groups:
+        size = layout.payload_elems(group)
+        frames.append(payload[offset:offset + size])
+        offset += size
+    return frames
+
+
+@dataclass
 class _KeyPlan:
     n_elems: int
     dtype: np.dtype
     parts: List[Part]
     steps: List[int] = field(default_factory=list)  # next step number per part
     last: Optional[Pending] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    result: Optional[np.ndarray] = None  # reply buffer, reused every step
 
 
 class Worker:
@@ -153,6 +174,7 @@ class Worker:
         self._serial = itertools.count(1)
         self._keys: Dict[int, _KeyPlan] = {}
         self._scores = ContributionState(config.score_alpha)
+        self._scratches: Dict[tuple, _Scratch] = {}
         self._memory = ResidualMemory()
         self._threshold = AdaptiveThreshold(config.threshold, config.threshold_min,
                                             config.adaptive_smoothing, config.adaptive)
@@ -162,6 +184,8 @@ class Worker:
         self._round = -1
         self._stats: Optional[StepStats] = None
         self._stats_lock = threading.Lock()
+        self._round_lock = threading.RLock()
+        self._plan_lock = threading.Lock()
         self._sink: Optional[JsonLinesSink] = None
         self._udp = UdpSender(config.udp_channels, config.udp_buffer_bytes)
         self._closed = False
@@ -190,24 +214,60 @@ class Worker:
                     len(addrs), config)
 
     # == public API ===========================================================================
-    def pushpull(self, key: int, flat: np.ndarray) -> Pending:
+    def begin(self, key: int) -> Optional[StepStats]:
+        """Note, in the caller's order, that ``key`` is about to be pushed.
+
+        A *step* (for statistics and the adaptive threshold) starts each time the first key
+        ever pushed comes again.  Call this from the thread that issues the pushes in program
+        order; :meth:`pushpull` may then run on any thread.  Returns the step's statistics.
+        """
+        with self._round_lock:
+            if self._round_key is None:
+                self._round_key = key
+            if key == self._round_key:
+                self._finish_round()
+                if not self._loss_reported and self._round >= 0:
+                    self._threshold.observe(math.sqrt(self._grad_sq), "gradient norm")
+                self._grad_sq = 0.0
+                self._round += 1
+                self._stats = StepStats(self._round, self.rank, self._threshold.k,
+                                        self.config.udp_channels, time.time())
+            return self._stats
+
+    def pushpull(self, key: int, flat: np.ndarray, step_stats: Optional[StepStats] = None,
+                 ) -> Pending:
         """Push ``flat`` (this worker's gradient of ``key``) and get the merged result.
 
-        The array is read asynchronously: do not modify it until the result is ready.
+        Thread-safe.  ``step_stats`` is what :meth:`begin` returned for this push (it is
+        called here when omitted).  The array is read asynchronously: do not modify it until
+        the result is ready.  The result array is reused by the key's next pushpull: copy it
+        if you keep it longer.
         """
         self._check_usable()
         flat = self._as_flat(flat)
+        if step_stats is None:
+            step_stats = self.begin(key)
         plan = self._plan(key, flat)
-        self._new_round_if(key, flat)
         if plan.last is not None and not plan.last.done():
             plan.last.wait()  # steps of one key are strictly ordered
-        pending = Pending(f"pushpull of key {key}", np.empty(plan.n_elems, dtype=plan.dtype),
-                          len(plan.parts), self.config.timeout_s)
-        for part in plan.parts:
-            step = plan.steps[part.index]
-            plan.steps[part.index] = step + 1
-            self._push_part(key, part, step, flat[part.start:part.stop], pending)
-        plan.last = pending
+        if self.config.adaptive and not self._loss_reported and flat.dtype.kind == "f":
+            as32 = flat.astype(np.float32, copy=False)
+            norm_sq = float(np.dot(as32, as32))
+            with self._round_lock:
+                self._grad_sq += norm_sq
+        if plan.result is None:
+            plan.result = np.empty(plan.n_elems, dtype=plan.dtype)
+        pending = Pending(f"pushpull of key {key}", plan.result, len(plan.parts),
+                          self.config.timeout_s)
+        with plan.lock:
+            steps = []
+            for part in plan.parts:
+                steps.append(plan.steps[part.index])
+                plan.steps[part.index] += 1
+            plan.last = pending
+        k = step_stats.k if step_stats is not None else self._threshold.k
+        for part, step in zip(plan.parts, steps):
+            self._push_part(key, part, step, flat[part.start:part.stop], pending, step_stats, k)
         return pending
 
     def broadcast(self, key: int, flat: np.ndarray) -> Pending:
@@ -266,7 +326,8 @@ class Worker:
             return
         self._closed = True
         _ACTIVE.discard(self)
-        self._finish_round()
+        with self._round_lock:
+            self._finish_round()
         try:
             for server in range(len(self._addrs)):
                 self._send(server, [encode_header(self._header(MsgType.BYE, 0, None, 0))])
@@ -290,7 +351,7 @@ class Worker:
 
     # == push path ============================================================================
     def _push_part(self, key: int, part: Part, step: int, values: np.ndarray,
-                   pending: Pending) -> None:
+                   pending: Pending, stats: Optional[StepStats], k: float) -> None:
         cfg = self.config
         code = dtype_code(values.dtype)
         frag_elems = max(1, cfg.udp_payload_bytes // values.dtype.itemsize)
@@ -298,32 +359,35 @@ class Worker:
         layout = FragmentLayout(blocks, frag_elems)
         ident = (key, part.index)
         differential = (cfg.enable and code in FLOAT_CODES and blocks.n_blocks > 1)
-        stats = self._stats
         inflight = _Inflight(pending, part, time.time(), layout=layout, ident=ident, stats=stats)
         base = Header(MsgType.PUSH, job=cfg.job_id, rank=self.rank, dtype=code, key=key,
                       part=part.index, step=step, n_elems=part.n_elems,
                       block_elems=cfg.block_elems, frag_elems=frag_elems)
+        scratch = self._scratch(ident, values)
         if not differential:
             self._register(("push", key, part.index, step), inflight)
             header = base._replace(flags=FLAG_ALL_RELIABLE, block=blocks.n_blocks)
-            self._send(part.server, [encode_header(header), values])
+            everything = np.arange(blocks.n_blocks)
+            self._send(part.server, [encode_header(header),
+                                     *_split_blocks(blocks, everything, values)])
             self._count(stats, 0, blocks.n_blocks, values.nbytes)
             return
         if cfg.error_feedback:
-            values = self._memory.compensate(ident, values)
+            values = self._memory.compensate(ident, values, out=scratch.compensated)
             inflight.compensated = values
-        scores = score_blocks(self._scores, ident, blocks, values)
+        scores = score_blocks(self._scores, ident, blocks, values, scratch=scratch.absolute)
         rng = (np.random.default_rng([cfg.seed, self.rank, key, part.index, step])
                if cfg.random_order else None)
-        channels = assign_channels(scores, self._threshold.k, cfg.udp_channels, rng)
+        channels = assign_channels(scores, k, cfg.udp_channels, rng)
         reliable = np.flatnonzero(channels == 0).astype(np.uint32)
         udp_blocks = np.flatnonzero(channels)
         udp_blocks = udp_blocks[np.argsort(channels[udp_blocks], kind="stable")]
         slots = layout.slots_of_blocks(udp_blocks) if not cfg.send_drop else np.empty(0, np.int64)
         header = base._replace(block=len(reliable), udp_expected=len(slots))
-        payload = blocks.gather(values, reliable)
+        payload = blocks.gather(values, reliable, out=scratch.gathered)
         self._register(("push", key, part.index, step), inflight)
-        self._send(part.server, [encode_header(header), reliable, payload])
+        self._send(part.server, [encode_header(header), reliable,
+                                 *_split_blocks(blocks, reliable, payload)])
         self._count(stats, 0, len(reliable), payload.nbytes)
         for channel in range(1, cfg.udp_channels + 1):
             chosen = channels[udp_blocks] == channel
@@ -332,6 +396,19 @@ class Worker:
         if len(slots):
             self._send_datagrams(base, layout, values, channels, slots, stats, part.server)
             self._send(part.server, [encode_header(base._replace(type=MsgType.PUSH_END))])
+
+    def _scratch(self, ident, values: np.ndarray) -> "_Scratch":
+        """Per-part buffers reused every step: fresh arrays of this size would page-fault on
+        every touch (tens of ms for a 64 MB tensor).  A buffer is reused only when the next
+        step of the same part is pushed, after the previous reply, so nothing in flight reads
+        it any more."""
+        scratch = self._scratches.get(ident)
+        if scratch is None or scratch.compensated.shape != values.shape \
+                or scratch.compensated.dtype != values.dtype:
+            scratch = _Scratch(np.empty_like(values), np.empty(values.shape, np.float32),
+                               np.empty_like(values))
+            self._scratches[ident] = scratch
+        return scratch
 
     def _send_datagrams(self, base: Header, layout: FragmentLayout, values: np.ndarray,
                         channels: np.ndarray, slots: np.ndarray, stats: Optional[StepStats],
@@ -390,9 +467,13 @@ class Worker:
             raise LocalProtocolError(f"key {key} is out of range 0..2**32-1")
         plan = self._keys.get(key)
         if plan is None:
-            parts = plan_parts(flat.size, key, len(self._addrs), self.config.bigarray_elems)
-            plan = _KeyPlan(flat.size, flat.dtype, parts, [0] * len(parts))
-            self._keys[key] = plan
+            with self._plan_lock:
+                plan = self._keys.get(key)
+                if plan is None:
+                    parts = plan_parts(flat.size, key, len(self._addrs),
+                                       self.config.bigarray_elems)
+                    plan = _KeyPlan(flat.size, flat.dtype, parts, [0] * len(parts))
+                    self._keys[key] = plan
         elif plan.n_elems != flat.size or plan.dtype != flat.dtype:
             raise LocalProtocolError(
                 f"key {key} was first used with {plan.n_elems} elements of {plan.dtype}, now "
@@ -416,7 +497,7 @@ class Worker:
             header = self._header(MsgType.INIT, key, part, serial, flat.dtype, part.n_elems)
             frames = [encode_header(header)]
             if self.rank == 0:
-                frames.append(flat[part.start:part.stop])
+                frames.extend(split_dense(flat[part.start:part.stop]))
             self._register(("value", key, part.index, serial), _Inflight(pending, part, time.time()))
             self._send(part.server, frames)
         plan.last = pending
@@ -459,21 +540,6 @@ class Worker:
         logger.debug("worker rank %d joined", self.rank)
 
     # == statistics and adaptive threshold ====================================================
-    def _new_round_if(self, key: int, flat: np.ndarray) -> None:
-        if self._round_key is None:
-            self._round_key = key
-        if key == self._round_key:
-            self._finish_round()
-            if not self._loss_reported and self._round >= 0:
-                self._threshold.observe(math.sqrt(self._grad_sq), "gradient norm")
-            self._grad_sq = 0.0
-            self._round += 1
-            self._stats = StepStats(self._round, self.rank, self._threshold.k,
-                                    self.config.udp_channels, time.time())
-        if self.config.adaptive and not self._loss_reported and flat.dtype.kind == "f":
-            as32 = flat.astype(np.float32, copy=False)
-            self._grad_sq += float(np.dot(as32, as32))
-
     def _finish_round(self) -> None:
         stats, self._stats = self._stats, None
         if stats is not None and self._sink is not None:
@@ -543,7 +609,7 @@ class Worker:
         elif mtype is MsgType.VALUE:
             entry = self._pop(("value", header.key, header.part, header.step))
             if entry is not None:
-                self._fill(entry, header, frames[1])
+                self._fill(entry, header, frames[1:])
                 entry.pending._part_done()
         elif mtype in (MsgType.ACK, MsgType.WELCOME):
             entry = self._pop(("ack", 0, 0, header.step))
@@ -579,12 +645,18 @@ class Worker:
             self._fail_all(RemoteProtocolError(f"reply for an unknown push: {header.debug_str()}"))
             return
         self.counters["replies"] += 1
-        self._fill(entry, header, frames[1])
+        if len(frames) < 2:
+            entry.pending._fail(RemoteProtocolError(f"short reply: {header.debug_str()}"))
+            return
+        self._fill(entry, header, frames[2:])
         carried = 0
-        if header.flags & FLAG_FEEDBACK and entry.compensated is not None and len(frames) > 2:
+        if header.flags & FLAG_FEEDBACK and entry.compensated is not None:
             layout = entry.layout
-            missing = np.unpackbits(np.frombuffer(frames[2].buffer, dtype=np.uint8),
-                                    count=layout.n_slots).astype(bool)
+            bitmap = np.frombuffer(frames[1].buffer, dtype=np.uint8)
+            if bitmap.size * 8 < layout.n_slots:
+                entry.pending._fail(RemoteProtocolError("reply bitmap is too short"))
+                return
+            missing = np.unpackbits(bitmap, count=layout.n_slots).astype(bool)
             carried = self._memory.remember(entry.ident, entry.compensated,
                                             layout.element_mask(missing))
         stats = entry.stats
@@ -602,18 +674,24 @@ class Worker:
         entry.pending._part_done()
 
     @staticmethod
-    def _fill(entry: _Inflight, header: Header, frame) -> None:
+    def _fill(entry: _Inflight, header: Header, frames) -> None:
+        """Copy the payload frames of a reply into the pending result, checking sizes."""
         pending, part = entry.pending, entry.part
-        data = np.frombuffer(frame.buffer, dtype=code_dtype(header.dtype))
-        if pending.result is None or data.size != part.n_elems or data.dtype != pending.result.dtype:
-            pending._fail(RemoteProtocolError(
-                f"{pending.what}: reply has {data.size} elements of {data.dtype}, expected "
-                f"{part.n_elems}"))
+        dtype = code_dtype(header.dtype)
+        result = pending.result
+        if result is None or dtype != result.dtype:
+            pending._fail(RemoteProtocolError(f"{pending.what}: reply of dtype {dtype}"))
             return
-        if part.n_elems == pending.result.size:
-            pending.result = data  # the whole key: keep the received buffer, no copy
-        else:
-            pending.result[part.start:part.stop] = data
+        offset = part.start
+        for frame in frames:
+            data = np.frombuffer(frame.buffer, dtype=dtype)
+            if offset + data.size > part.stop:
+                break
+            result[offset:offset + data.size] = data
+            offset += data.size
+        if offset != part.stop or sum(len(f.buffer) for f in frames) != part.n_elems * dtype.itemsize:
+            pending._fail(RemoteProtocolError(
+                f"{pending.what}: reply does not hold the {part.n_elems} elements expected"))
 
     def _pop(self, ident: tuple) -> Optional[_Inflight]:
         with self._inflight_lock:

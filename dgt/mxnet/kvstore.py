@@ -2,11 +2,11 @@
 
 The only module of dgt that imports mxnet.  It converts NDArrays to numpy on the way out and
 writes results back with NDArray-to-NDArray copies (numpy writes into MKLDNN-layout weights
-fail, see the MXNet notes).  Results are written *asynchronously through MXNet's engine*: each
-``pushpull`` sends at once and enqueues a small custom operator on the output arrays that waits
-for the reply; anything that reads those arrays (the optimizer, ``asnumpy``) waits for it, as
-with MXNet's native kvstore.  Since every push has left before any wait starts, the waits can
-never block one another.
+fail, see the MXNet notes).  ``pushpull`` works *through MXNet's engine*, as the native
+kvstore does: it returns at once after enqueueing two small custom operators per key, one that
+pushes the gradient as soon as backward has computed it (so communication overlaps the rest of
+the backward pass) and one that waits for the reply and writes it into the output arrays;
+anything that reads those arrays (the optimizer, ``asnumpy``) waits for it.
 
 Semantics are those of ``dist_sync``: ``pushpull`` returns the *sum* over workers, broadcast
 returns rank 0's value, and ``type`` contains ``dist`` and ``_sync`` so that Gluon and Module
@@ -35,40 +35,116 @@ __all__ = ["DGT"]
 
 logger = logging.getLogger(__name__)
 
-_tickets: Dict[int, tuple] = {}
+class _Ticket:
+    """What the engine operators of one push share: the push result, its error, its users."""
+
+    __slots__ = ("store", "key", "stats", "pending", "error", "users")
+
+    def __init__(self, store, key, stats, users):
+        self.store, self.key, self.stats, self.users = store, key, stats, users
+        self.pending: Optional[Pending] = None
+        self.error: Optional[BaseException] = None
+
+
+_tickets: Dict[int, _Ticket] = {}
 _ticket_ids = itertools.count()
 _tickets_lock = threading.Lock()
 
 
-class _AwaitResult(mx.operator.CustomOp):
-    """Engine operator: wait for a dgt reply and write it into the output array."""
+def _ticket(ticket_id: int, release: bool = False) -> _Ticket:
+    with _tickets_lock:
+        ticket = _tickets[ticket_id]
+        if release:
+            ticket.users -= 1
+            if ticket.users == 0:
+                del _tickets[ticket_id]
+        return ticket
 
-    def __init__(self, ticket: int):
+
+class _PushGradient(mx.operator.CustomOp):
+    """Engine operator: runs as soon as the gradient is computed (overlapping the rest of the
+    backward pass), sums it over the local devices and hands it to the dgt worker.  It never
+    waits for the network."""
+
+    def __init__(self, ticket_id: int):
         super().__init__()
-        self._ticket = ticket
+        self._ticket_id = ticket_id
 
     def forward(self, is_train, req, in_data, out_data, aux):
-        with _tickets_lock:
-            store, pending, shape = _tickets.pop(self._ticket)
+        ticket = _ticket(self._ticket_id)
         try:
-            result = pending.wait()
-        except Exception as exc:  # keep the real error for the next kvstore call
-            store._remember_error(exc)
+            total = in_data[0].asnumpy()
+            for array in in_data[1:]:
+                total = total + array.asnumpy()
+            ticket.pending = ticket.store._worker.pushpull(ticket.key, total, ticket.stats)
+        except Exception as exc:
+            ticket.error = exc
+            ticket.store._remember_error(exc)
             raise
-        self.assign(out_data[0], req[0], _wrap(result, shape))
+        self.assign(out_data[0], req[0], mx.nd.zeros(1))
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        raise RuntimeError("dgt_push has no gradient")
+
+
+class _AwaitResult(mx.operator.CustomOp):
+    """Engine operator: wait for the reply of a push and write it into the output array.
+
+    Its extra input is the push operator's output, so the engine starts it only after the push
+    left; every waiting operator has its own thread (MXNet starts custom-operator threads on
+    demand), so waits never block pushes.
+    """
+
+    def __init__(self, ticket_id: int):
+        super().__init__()
+        self._ticket_id = ticket_id
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        ticket = _ticket(self._ticket_id, release=True)
+        try:
+            if ticket.error is not None:
+                raise ticket.error
+            result = ticket.pending.wait()
+        except Exception as exc:  # keep the real error for the next kvstore call
+            ticket.store._remember_error(exc)
+            raise
+        self.assign(out_data[0], req[0], _wrap(result, out_data[0].shape))
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
         raise RuntimeError("dgt_await has no gradient")
+
+
+@mx.operator.register("dgt_push")
+class _PushGradientProp(mx.operator.CustomOpProp):
+    def __init__(self, ticket, num_inputs="1"):
+        super().__init__(need_top_grad=False)
+        self._ticket_id = int(ticket)
+        self._num_inputs = int(num_inputs)
+
+    def list_arguments(self):
+        return [f"grad{i}" for i in range(self._num_inputs)]
+
+    def list_outputs(self):
+        return ["token"]
+
+    def infer_shape(self, in_shape):
+        return in_shape, [(1,)], []
+
+    def infer_type(self, in_type):
+        return in_type, [np.float32], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _PushGradient(self._ticket_id)
 
 
 @mx.operator.register("dgt_await")
 class _AwaitResultProp(mx.operator.CustomOpProp):
     def __init__(self, ticket):
         super().__init__(need_top_grad=False)
-        self._ticket = int(ticket)
+        self._ticket_id = int(ticket)
 
     def list_arguments(self):
-        return ["data"]
+        return ["data", "token"]
 
     def list_outputs(self):
         return ["output"]
@@ -80,7 +156,7 @@ class _AwaitResultProp(mx.operator.CustomOpProp):
         return in_type, [in_type[0]], []
 
     def create_operator(self, ctx, shapes, dtypes):
-        return _AwaitResult(self._ticket)
+        return _AwaitResult(self._ticket_id)
 
 
 def _wrap(result: np.ndarray, shape) -> "mx.nd.NDArray":
@@ -143,14 +219,24 @@ class DGT(KVStoreBase):
     # -- data path ----------------------------------------------------------------------------
     def broadcast(self, key, value, out, priority=0):
         for k, v, o in self._zip(key, value, out):
-            source = _as_list(v)[0].asnumpy()
-            self._write_when_ready(self._worker.broadcast(self._key_id(k), source), _as_list(o))
+            pending = self._worker.broadcast(self._key_id(k), _as_list(v)[0].asnumpy())
+            result = pending.wait()  # once per parameter: no need to overlap
+            for target in _as_list(o):
+                target[:] = _wrap(result, target.shape)
 
     def pushpull(self, key, value, out=None, priority=0):
         targets = value if out is None else out
         for k, v, o in self._zip(key, value, targets):
-            pending = self._worker.pushpull(self._key_id(k), self._local_sum(v))
-            self._write_when_ready(pending, _as_list(o))
+            key_id = self._key_id(k)
+            values, outs = _as_list(v), _as_list(o)
+            ticket_id = next(_ticket_ids)
+            with _tickets_lock:
+                _tickets[ticket_id] = _Ticket(self, key_id, self._worker.begin(key_id), len(outs))
+            token = mx.nd.Custom(*values, op_type="dgt_push", ticket=str(ticket_id),
+                                 num_inputs=str(len(values)))
+            for target in outs:
+                mx.nd.Custom(target, token, op_type="dgt_await", ticket=str(ticket_id),
+                             out=target)
 
     def init(self, key, value):
         for k, v, _ in self._zip(key, value, value):
@@ -169,7 +255,9 @@ class DGT(KVStoreBase):
             pending = self._pushed.pop(key_id, None)
             if pending is None:
                 pending = self._worker.pull(key_id, _as_list(o)[0].asnumpy())
-            self._write_when_ready(pending, _as_list(o))
+            result = pending.wait()
+            for target in _as_list(o):
+                target[:] = _wrap(result, target.shape)
 
     # -- control ------------------------------------------------------------------------------
     def set_optimizer(self, optimizer):
@@ -240,16 +328,6 @@ class DGT(KVStoreBase):
         for array in arrays[1:]:
             total = total + array.asnumpy()
         return total
-
-    def _write_when_ready(self, pending: Pending, targets) -> None:
-        for target in targets:
-            if pending.done():
-                target[:] = _wrap(pending.wait(), target.shape)
-                continue
-            ticket = next(_ticket_ids)
-            with _tickets_lock:
-                _tickets[ticket] = (self, pending, target.shape)
-            mx.nd.Custom(target, op_type="dgt_await", ticket=str(ticket), out=target)
 
     def _remember_error(self, error: BaseException) -> None:
         logger.error("dgt: %s", error)
