@@ -31,14 +31,18 @@ class ResidualMemory:
         np.add(flat, residual, out=out, casting="unsafe")
         return out
 
-    def remember(self, key: Hashable, sent: np.ndarray, missing: np.ndarray) -> int:
-        """Keep ``sent[missing]`` for the next step; returns how many elements are kept."""
-        count = int(np.count_nonzero(missing))
-        if count:
-            residual = np.zeros(sent.shape, dtype=np.float32)
-            residual[missing] = sent[missing]
-            self._residuals[key] = residual
-        return count
+    def remember(self, key: Hashable, sent: np.ndarray, starts: np.ndarray,
+                 stops: np.ndarray) -> int:
+        """Keep ``sent[start:stop]`` for every missing range, for the next step; returns how
+        many elements are kept.  Ranges are few (lost datagrams), so a loop over them is
+        cheaper than an element mask over the whole tensor."""
+        if not len(starts):
+            return 0
+        residual = np.zeros(sent.shape, dtype=np.float32)
+        for start, stop in zip(starts.tolist(), stops.tolist()):
+            residual[start:stop] = sent[start:stop]
+        self._residuals[key] = residual
+        return int((stops - starts).sum())
 
     def owed(self, key: Hashable):
         """The residual held for ``key``, or None."""

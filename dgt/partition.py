@@ -97,8 +97,10 @@ class BlockLayout:
         size = self.payload_elems(blocks)
         result = np.empty(size, flat.dtype) if out is None else out[:size]
         n_rows = len(full) * self.block_elems
+        # mode="clip" lets numpy write straight into `out` (mode="raise" buffers it first);
+        # the indices are in range by construction.
         np.take(flat[:n_full].reshape(last, self.block_elems), full, axis=0,
-                out=result[:n_rows].reshape(len(full), self.block_elems))
+                out=result[:n_rows].reshape(len(full), self.block_elems), mode="clip")
         if len(full) != len(blocks):
             result[n_rows:] = flat[n_full:]
         return result
@@ -172,6 +174,15 @@ class FragmentLayout:
         fpb = self.frags_per_block
         slots = (np.asarray(blocks, dtype=np.int64)[:, None] * fpb + np.arange(fpb)).reshape(-1)
         return slots[self.valid_slots[slots]]
+
+    def slot_ranges(self, slots: np.ndarray):
+        """``(starts, stops)`` element ranges of the given slot ids (vectorised)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        blocks, frags = np.divmod(slots, self.frags_per_block)
+        block_starts = blocks * self.blocks.block_elems
+        starts = block_starts + frags * self.frag_elems
+        block_stops = np.minimum(block_starts + self.blocks.block_elems, self.blocks.n_elems)
+        return starts, np.minimum(starts + self.frag_elems, block_stops)
 
     def element_mask(self, slot_mask: np.ndarray) -> np.ndarray:
         """Expand a boolean mask over slots to a boolean mask over the part's elements."""

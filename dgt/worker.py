@@ -414,12 +414,8 @@ class Worker:
                         channels: np.ndarray, slots: np.ndarray, stats: Optional[StepStats],
                         server: int):
         cfg = self.config
-        fpb = layout.frags_per_block
-        block_ids = slots // fpb
-        frag_ids = slots % fpb
-        starts = block_ids * layout.blocks.block_elems + frag_ids * layout.frag_elems
-        block_ends = np.minimum((block_ids + 1) * layout.blocks.block_elems, layout.blocks.n_elems)
-        stops = np.minimum(starts + layout.frag_elems, block_ends)
+        block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
+        starts, stops = layout.slot_ranges(slots)
         chans = channels[block_ids]
         headers = np.zeros(len(slots), dtype=_HEADER_DTYPE)
         for name in ("job", "rank", "dtype", "key", "part", "step", "n_elems", "block_elems",
@@ -656,9 +652,9 @@ class Worker:
             if bitmap.size * 8 < layout.n_slots:
                 entry.pending._fail(RemoteProtocolError("reply bitmap is too short"))
                 return
-            missing = np.unpackbits(bitmap, count=layout.n_slots).astype(bool)
+            missing = np.flatnonzero(np.unpackbits(bitmap, count=layout.n_slots))
             carried = self._memory.remember(entry.ident, entry.compensated,
-                                            layout.element_mask(missing))
+                                            *layout.slot_ranges(missing))
         stats = entry.stats
         if stats is not None:
             with self._stats_lock:

@@ -15,6 +15,7 @@ treat the store exactly like ``dist_sync`` (batch-size scaling in Module, no kvs
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import itertools
 import logging
@@ -24,6 +25,7 @@ from typing import Dict, Optional
 
 import mxnet as mx
 import numpy as np
+from mxnet.base import _LIB, check_call
 from mxnet.kvstore.base import KVStoreBase
 
 from .. import current_config
@@ -73,9 +75,10 @@ class _PushGradient(mx.operator.CustomOp):
     def forward(self, is_train, req, in_data, out_data, aux):
         ticket = _ticket(self._ticket_id)
         try:
-            total = in_data[0].asnumpy()
+            total = ticket.store._host_buffer(ticket.key, in_data[0])
+            _copy_to_host(in_data[0], total)
             for array in in_data[1:]:
-                total = total + array.asnumpy()
+                total += array.asnumpy()
             ticket.pending = ticket.store._worker.pushpull(ticket.key, total, ticket.stats)
         except Exception as exc:
             ticket.error = exc
@@ -159,6 +162,12 @@ class _AwaitResultProp(mx.operator.CustomOpProp):
         return _AwaitResult(self._ticket_id)
 
 
+def _copy_to_host(array, out: np.ndarray) -> None:
+    """``out[:] = array.asnumpy()`` without allocating (the C call ``asnumpy`` makes)."""
+    check_call(_LIB.MXNDArraySyncCopyToCPU(array.handle, out.ctypes.data_as(ctypes.c_void_p),
+                                           ctypes.c_size_t(out.size)))
+
+
 def _wrap(result: np.ndarray, shape) -> "mx.nd.NDArray":
     """A CPU NDArray over ``result``'s memory (no copy).  Copying it into the target is an
     NDArray-to-NDArray copy, which also works for weights held in MKLDNN layout."""
@@ -188,6 +197,7 @@ class DGT(KVStoreBase):
         self._worker = Worker(self._config)
         self._key_ids: Dict[str, int] = {}
         self._pushed: Dict[int, Pending] = {}
+        self._host_buffers: Dict[int, np.ndarray] = {}
         self._error: Optional[BaseException] = None
         self._optimizer = None
         atexit.register(self.close)
@@ -300,6 +310,16 @@ class DGT(KVStoreBase):
         self._worker.close()
 
     # -- helpers ------------------------------------------------------------------------------
+    def _host_buffer(self, key_id: int, like) -> np.ndarray:
+        """The numpy buffer a key's gradient is copied into, reused every step: the worker
+        is done with the previous step's copy once its reply arrived, which the engine
+        orders before the next backward pass writes this gradient again."""
+        buffer = self._host_buffers.get(key_id)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = np.empty(like.shape, dtype=like.dtype)
+            self._host_buffers[key_id] = buffer
+        return buffer
+
     def _key_id(self, key) -> int:
         if isinstance(key, str):
             # Module uses parameter names; ids in first-use order, as MXNet's own stores do,

@@ -7,12 +7,15 @@ from dgt.memory import ResidualMemory
 def test_residual_memory_carries_exactly_the_missing_values():
     memory = ResidualMemory()
     sent = np.arange(6, dtype=np.float32)
-    missing = np.array([0, 1, 0, 0, 1, 0], dtype=bool)
-    assert memory.remember("k", sent, missing) == 2
+    assert memory.remember("k", sent, np.array([1, 4]), np.array([2, 5])) == 2
     nxt = memory.compensate("k", np.ones(6, np.float32))
     np.testing.assert_array_equal(nxt, [1, 2, 1, 1, 5, 1])
     assert memory.owed("k") is None  # consumed
-    assert memory.compensate("k", np.ones(2, np.float32)) is not None
+    assert memory.remember("k", sent, np.array([], int), np.array([], int)) == 0
+    out = np.empty(6, np.float16)
+    memory.remember("h", sent, np.array([0]), np.array([6]))
+    assert memory.compensate("h", np.ones(6, np.float16), out=out) is out
+    np.testing.assert_array_equal(out, np.arange(6) + 1)
 
 
 def test_dropped_slots_is_deterministic_and_order_free():

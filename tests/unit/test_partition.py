@@ -70,3 +70,11 @@ def test_plan_parts_shards_small_and_slices_big_tensors():
     assert [(p.server, p.start, p.stop) for p in parts] == [(0, 0, 333), (1, 333, 667),
                                                            (2, 667, 1001)]
     assert plan_parts(5, 0, 1, 1)[0].n_elems == 5
+
+
+def test_slot_ranges_match_frag_range():
+    layout = FragmentLayout(BlockLayout(2500, 1024), 350)
+    slots = np.flatnonzero(layout.valid_slots)
+    starts, stops = layout.slot_ranges(slots)
+    assert list(zip(starts.tolist(), stops.tolist())) == [
+        layout.frag_range(s // 3, s % 3) for s in slots]
