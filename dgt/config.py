@@ -87,7 +87,8 @@ KNOBS: Tuple[Knob, ...] = (
          "a step arrived.", "server"),
     # --- transport -------------------------------------------------------------------------
     Knob("udp_payload_bytes", "DGT_UDP_PAYLOAD_BYTES", int, 1400, "64..65000", _in(64, 65000),
-         "Gradient bytes per UDP datagram (1400 + header fits a 1500-byte MTU).", "worker"),
+         "Largest gradient payload of a UDP datagram (1400 + headers fit a 1500-byte MTU); "
+         "servers size their receive rows with it, so set it alike everywhere.", "all"),
     Knob("udp_buffer_bytes", "DGT_UDP_BUFFER_BYTES", int, 16 << 20, "65536..1073741824",
          _in(1 << 16, 1 << 30), "SO_SNDBUF / SO_RCVBUF of the UDP sockets.", "all"),
     Knob("udp_drop", "DGT_UDP_DROP", float, 0.0, "0.0..1.0", _in(0.0, 1.0),

@@ -283,6 +283,76 @@ class StepMerger:
         self._candidates.add((header.key, header.part, step))
         return Outcome.MERGED
 
+    def add_fragments(self, header: Header, blocks: np.ndarray, frags: np.ndarray,
+                      rows: np.ndarray, lengths: np.ndarray) -> None:
+        """Many decoded DATA datagrams of one (rank, key, part, step) at once.
+
+        ``header`` is any one of them (its block/frag fields are ignored); ``rows`` holds the
+        payloads as ``(k, max_elems)`` values of the part's dtype, ``lengths`` the true element
+        count of each.  Same outcomes and counters as calling :meth:`add_fragment` on each.
+        """
+        rank = header.rank
+        count = len(blocks)
+        if not 0 <= rank < self.num_workers:
+            self._count(Outcome.STALE, count)
+            return
+        state = self._part(header, create=header.step == 0)
+        if state is None:
+            known = (header.key, header.part) in self._parts
+            self._count(Outcome.MISMATCH if known else Outcome.STALE, count)
+            return
+        layout = state.layout
+        slots = blocks * layout.frags_per_block + frags
+        step = header.step
+        # A slot repeated inside the batch counts once; the copies are duplicates.
+        _, first = np.unique(slots, return_index=True)
+        fresh = np.zeros(count, dtype=bool)
+        fresh[first] = True
+        if step <= state.last_closed:
+            if self.receive_mode == "diff" and step == state.last_closed \
+                    and state.closed_received is not None:
+                taken = state.closed_received[rank]
+                fresh &= ~taken[slots]
+                taken[slots[fresh]] = True
+                target = self._open(state, step + 1)
+                target.late_in[rank] += int(fresh.sum())
+                self._add_rows(target, layout, slots[fresh], rows[fresh], lengths[fresh])
+                self._count(Outcome.LATE_MERGED, int(fresh.sum()))
+                self._count(Outcome.DUPLICATE, count - int(fresh.sum()))
+                return
+            state.late_dropped[rank] += count
+            self._count(Outcome.LATE_DROPPED, count)
+            return
+        if step != state.last_closed + 1:
+            self._count(Outcome.STALE, count)
+            return
+        open_step = self._open(state, step)
+        fresh &= ~open_step.received[rank, slots] & ~open_step.reliable[rank, blocks]
+        open_step.received[rank, slots[fresh]] = True
+        self._add_rows(open_step, layout, slots[fresh], rows[fresh], lengths[fresh])
+        self._count(Outcome.MERGED, int(fresh.sum()))
+        self._count(Outcome.DUPLICATE, count - int(fresh.sum()))
+        self._candidates.add((header.key, header.part, step))
+
+    def _count(self, outcome: str, count: int) -> None:
+        if count:
+            self.counters[outcome] = self.counters.get(outcome, 0) + count
+
+    @staticmethod
+    def _add_rows(open_step: _OpenStep, layout: FragmentLayout, slots: np.ndarray,
+                  rows: np.ndarray, lengths: np.ndarray) -> None:
+        if not len(slots):
+            return
+        starts, stops = layout.slot_ranges(slots)
+        fe = layout.frag_elems
+        whole = (stops - starts == fe) & (starts % fe == 0) & (lengths == fe)
+        if whole.any():  # rows of full fragments: one vectorised add (slots are unique)
+            acc_rows = open_step.acc[:(open_step.acc.size // fe) * fe].reshape(-1, fe)
+            acc_rows[starts[whole] // fe] += rows[whole, :fe]
+        for i in np.flatnonzero(~whole).tolist():
+            start, stop = int(starts[i]), int(stops[i])
+            open_step.acc[start:stop] += rows[i, :stop - start]
+
     @staticmethod
     def _add_values(open_step: _OpenStep, layout: FragmentLayout, header: Header, payload):
         start, stop = layout.frag_range(header.block, header.frag)

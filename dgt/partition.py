@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import numpy as np
 
-__all__ = ["BlockLayout", "FragmentLayout", "Part", "plan_parts"]
+__all__ = ["BlockLayout", "FragmentLayout", "Part", "plan_parts", "fragment_elems"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -39,6 +39,21 @@ class Part:
     @property
     def n_elems(self) -> int:
         return self.stop - self.start
+
+
+def fragment_elems(block_elems: int, itemsize: int, payload_bytes: int) -> int:
+    """Elements per datagram: as many as fit ``payload_bytes``, preferably a divisor of the
+    block so that every datagram of a full block has the same size (the sender can then hand
+    the kernel many datagrams per call with UDP GSO, and the receiver can merge them as rows).
+    A divisor is used only if it costs at most a third more datagrams."""
+    most = max(1, payload_bytes // itemsize)
+    if block_elems <= most:
+        return block_elems
+    fewest = _ceil_div(block_elems, most)
+    for count in range(fewest, fewest + max(1, fewest // 3) + 1):
+        if block_elems % count == 0:
+            return block_elems // count
+    return most
 
 
 def plan_parts(n_elems: int, key_id: int, num_servers: int, bigarray_elems: int) -> List[Part]:

@@ -29,15 +29,15 @@ from .merge import ClosedStep, StepMerger
 from .partition import BlockLayout
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_WEIGHTS, NO_RANK, Header, MsgType,
-                   code_dtype, decode_datagram, decode_header, dtype_code, encode_header,
-                   split_dense)
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_WEIGHTS, HEADER_BYTES, HEADER_DTYPE,
+                   NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_header,
+                   dtype_code, encode_header, split_dense)
 
 __all__ = ["Server", "main"]
 
 logger = logging.getLogger(__name__)
 
-_UDP_BATCH = 65536  # datagrams read per loop turn at most, so a flood cannot starve TCP
+_UDP_BATCHES_PER_TURN = 16  # batches of datagrams read per loop turn, so a flood cannot starve TCP
 
 
 class _Optimizer:
@@ -111,7 +111,8 @@ class Server:
     def _bind(self, host: str, port: int):
         """Bind TCP and UDP on the same port number (a free one when ``port`` is 0)."""
         for _ in range(50):
-            udp = UdpReceiver(host, port, self.config.udp_buffer_bytes)
+            udp = UdpReceiver(host, port, self.config.udp_buffer_bytes,
+                              row_bytes=HEADER_BYTES + self.config.udp_payload_bytes)
             chosen = udp.sock.getsockname()[1]
             try:
                 self._router.bind(f"tcp://{host}:{chosen}")
@@ -185,23 +186,52 @@ class Server:
 
     # == UDP ==================================================================================
     def _drain_udp(self) -> None:
-        job = self.config.job_id
-        merger = self.merger
-        now = time.monotonic()
-        for datagram in self._udp.drain(_UDP_BATCH):
-            try:
-                header, payload = decode_datagram(datagram)
-            except RemoteProtocolError as exc:
-                self.counters["udp_malformed"] += 1
-                logger.debug("dropped a malformed datagram: %s", exc)
-                continue
-            if header.job != job:
-                self.counters["udp_foreign"] += 1
-                continue
-            if header.rank not in self._identity:
-                self.counters["udp_unknown_sender"] += 1
-                continue
-            merger.add_fragment(header, payload, now)
+        """Read every waiting datagram (bounded per turn) and merge them batch by batch."""
+        udp = self._udp
+        for _ in range(_UDP_BATCHES_PER_TURN):
+            count = udp.receive_batch()
+            if count:
+                self._merge_batch(count)
+            if count < len(udp.rows):
+                return
+
+    def _merge_batch(self, count: int) -> None:
+        rows, sizes = self._udp.rows[:count], self._udp.sizes[:count]
+        headers = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER_DTYPE).reshape(-1)
+        valid = check_datagrams(headers, sizes)
+        foreign = valid & (headers["job"] != self.config.job_id)
+        self.counters["udp_malformed"] += int(count - valid.sum())
+        self.counters["udp_foreign"] += int(foreign.sum())
+        valid &= ~foreign
+        known = np.zeros(self.config.num_workers, dtype=bool)
+        known[list(self._identity)] = True
+        ranks = headers["rank"].astype(np.int64)
+        in_range = ranks < len(known)
+        unknown = valid & ~(in_range & known[np.where(in_range, ranks, 0)])
+        self.counters["udp_unknown_sender"] += int(unknown.sum())
+        valid &= ~unknown
+        if not valid.any():
+            return
+        index = np.flatnonzero(valid)
+        group_fields = headers[index][["rank", "key", "part", "step", "dtype", "n_elems",
+                                       "block_elems", "frag_elems"]]
+        _, group_of = np.unique(group_fields, return_inverse=True)
+        order = np.argsort(group_of, kind="stable")
+        bounds = np.flatnonzero(np.diff(group_of[order])) + 1
+        for members in np.split(index[order], bounds):
+            first = headers[members[0]]
+            header = Header(MsgType.DATA, job=int(first["job"]), rank=int(first["rank"]),
+                            dtype=int(first["dtype"]), key=int(first["key"]),
+                            part=int(first["part"]), step=int(first["step"]),
+                            n_elems=int(first["n_elems"]), block_elems=int(first["block_elems"]),
+                            frag_elems=int(first["frag_elems"]))
+            dtype = code_dtype(header.dtype)
+            width = (rows.shape[1] - HEADER_BYTES) // dtype.itemsize
+            values = rows[members, HEADER_BYTES:HEADER_BYTES + width * dtype.itemsize]
+            self.merger.add_fragments(
+                header, headers["block"][members].astype(np.int64),
+                headers["frag"][members].astype(np.int64), values.view(dtype),
+                (sizes[members] - HEADER_BYTES) // dtype.itemsize)
 
     # == TCP ==================================================================================
     def _drain_tcp(self) -> None:

@@ -49,7 +49,8 @@ from .errors import RemoteProtocolError
 
 __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
-           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "NO_RANK", "expected_fragment_bytes"]
+           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "NO_RANK", "expected_fragment_bytes", "HEADER_DTYPE",
+           "data_headers", "check_datagrams"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
 # buffers of this size are recycled by the allocator, while 64 MB ones are fresh mmaps that
@@ -109,6 +110,15 @@ class Header(NamedTuple):
 
 _STRUCT = struct.Struct("<2sBBIHBBIHHIIIIIIIIII")
 HEADER_BYTES = _STRUCT.size
+
+# The same layout as a numpy record, to build or check many datagram headers at once.
+HEADER_DTYPE = np.dtype([
+    ("magic", "S2"), ("version", "u1"), ("type", "u1"), ("job", "<u4"), ("rank", "<u2"),
+    ("channel", "u1"), ("dtype", "u1"), ("key", "<u4"), ("part", "<u2"), ("flags", "<u2"),
+    ("step", "<u4"), ("n_elems", "<u4"), ("block_elems", "<u4"), ("frag_elems", "<u4"),
+    ("block", "<u4"), ("frag", "<u4"), ("udp_expected", "<u4"), ("udp_merged", "<u4"),
+    ("udp_late", "<u4"), ("grace_us", "<u4")])
+assert HEADER_DTYPE.itemsize == HEADER_BYTES
 
 # dtype codes on the wire; only the float codes may travel over UDP.
 _DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float16), 3: np.dtype(np.float64),
@@ -207,3 +217,42 @@ def split_dense(array: np.ndarray) -> list:
     if array.size <= step:
         return [array]
     return [array[i:i + step] for i in range(0, array.size, step)]
+
+
+def data_headers(base: Header, channels: np.ndarray, blocks: np.ndarray,
+                 frags: np.ndarray) -> np.ndarray:
+    """DATA headers for many datagrams of one (key, part, step) at once, as HEADER_DTYPE."""
+    headers = np.zeros(len(blocks), dtype=HEADER_DTYPE)
+    for name in ("job", "rank", "dtype", "key", "part", "step", "n_elems", "block_elems",
+                 "frag_elems"):
+        headers[name] = getattr(base, name)
+    headers["magic"] = MAGIC
+    headers["version"] = VERSION
+    headers["type"] = int(MsgType.DATA)
+    headers["channel"] = channels
+    headers["block"] = blocks
+    headers["frag"] = frags
+    return headers
+
+
+def check_datagrams(headers: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`decode_datagram` checks: True where a datagram is well formed.
+
+    ``headers`` (HEADER_DTYPE) and ``sizes`` (total datagram bytes) describe a batch.
+    """
+    ok = ((sizes >= HEADER_BYTES) & (headers["magic"] == MAGIC) & (headers["version"] == VERSION)
+          & (headers["type"] == int(MsgType.DATA)) & np.isin(headers["dtype"], FLOAT_CODES)
+          & (headers["channel"] >= 1) & (headers["n_elems"] >= 1)
+          & (headers["block_elems"] >= 1) & (headers["frag_elems"] >= 1))
+    n = headers["n_elems"].astype(np.int64)
+    b = np.where(ok, headers["block_elems"], 1).astype(np.int64)
+    fe = np.where(ok, headers["frag_elems"], 1).astype(np.int64)
+    block = headers["block"].astype(np.int64)
+    frag = headers["frag"].astype(np.int64)
+    ok &= block < -(-n // b)
+    block_len = np.minimum(b, n - block * b)
+    ok &= frag < -(-np.maximum(block_len, 1) // fe)
+    frag_len = np.minimum(fe, block_len - frag * fe)
+    itemsize = np.where(headers["dtype"] == 2, 2, 4)
+    ok &= sizes == HEADER_BYTES + frag_len * itemsize
+    return ok

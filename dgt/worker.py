@@ -29,15 +29,15 @@ from .config import Config
 from .errors import LocalProtocolError, PeerLost, RemoteProtocolError, StepTimeout
 from .lossmodel import dropped_slots
 from .memory import ResidualMemory
-from .partition import BlockLayout, FragmentLayout, Part, plan_parts
+from .partition import BlockLayout, FragmentLayout, Part, fragment_elems, plan_parts
 from .policy import AdaptiveThreshold, assign_channels
 from .scoring import ContributionState, score_blocks
 from .stats import JsonLinesSink, StepStats
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLOAT_CODES, HEADER_BYTES, NO_RANK, Header,
-                   MsgType, chunk_elems, code_dtype, decode_header, dtype_code, encode_header,
-                   split_dense)
+                   MsgType, chunk_elems, code_dtype, data_headers, decode_header, dtype_code,
+                   encode_header, split_dense)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -45,14 +45,6 @@ logger = logging.getLogger(__name__)
 
 _ACTIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
-# numpy layout of wire.Header, to build every datagram header of a push in one vectorised go.
-_HEADER_DTYPE = np.dtype([
-    ("magic", "S2"), ("version", "u1"), ("type", "u1"), ("job", "<u4"), ("rank", "<u2"),
-    ("channel", "u1"), ("dtype", "u1"), ("key", "<u4"), ("part", "<u2"), ("flags", "<u2"),
-    ("step", "<u4"), ("n_elems", "<u4"), ("block_elems", "<u4"), ("frag_elems", "<u4"),
-    ("block", "<u4"), ("frag", "<u4"), ("udp_expected", "<u4"), ("udp_merged", "<u4"),
-    ("udp_late", "<u4"), ("grace_us", "<u4")])
-assert _HEADER_DTYPE.itemsize == HEADER_BYTES
 
 
 def report_loss(value: float) -> None:
@@ -354,7 +346,8 @@ class Worker:
                    pending: Pending, stats: Optional[StepStats], k: float) -> None:
         cfg = self.config
         code = dtype_code(values.dtype)
-        frag_elems = max(1, cfg.udp_payload_bytes // values.dtype.itemsize)
+        frag_elems = fragment_elems(cfg.block_elems, values.dtype.itemsize,
+                                    cfg.udp_payload_bytes)
         blocks = BlockLayout(part.n_elems, cfg.block_elems)
         layout = FragmentLayout(blocks, frag_elems)
         ident = (key, part.index)
@@ -413,37 +406,52 @@ class Worker:
     def _send_datagrams(self, base: Header, layout: FragmentLayout, values: np.ndarray,
                         channels: np.ndarray, slots: np.ndarray, stats: Optional[StepStats],
                         server: int):
+        """Send one datagram per fragment slot, in the given order (channel 1 first).
+
+        Datagrams of full size are copied into one staging array, header and payload per
+        row, and handed to the kernel many rows per call (UDP GSO); the rest, if any, one by
+        one.  Loss injection removes rows before sending.
+        """
         cfg = self.config
+        dropped = dropped_slots(cfg.udp_drop, cfg.seed, self.rank, base.key, base.part,
+                                base.step, slots)
+        slots = slots[~dropped]
         block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
         starts, stops = layout.slot_ranges(slots)
         chans = channels[block_ids]
-        headers = np.zeros(len(slots), dtype=_HEADER_DTYPE)
-        for name in ("job", "rank", "dtype", "key", "part", "step", "n_elems", "block_elems",
-                     "frag_elems"):
-            headers[name] = getattr(base, name)
-        headers["magic"] = b"DG"
-        headers["version"] = 1
-        headers["type"] = int(MsgType.DATA)
-        headers["channel"] = chans
-        headers["block"] = block_ids
-        headers["frag"] = frag_ids
-        dropped = dropped_slots(cfg.udp_drop, cfg.seed, self.rank, base.key, base.part,
-                                base.step, slots)
-        header_view = memoryview(headers.tobytes())
-        data_view = memoryview(values).cast("B")
+        headers = data_headers(base, chans, block_ids, frag_ids)
+        fe = layout.frag_elems
         size = values.dtype.itemsize
+        # Rows: full-size fragments that start on a multiple of fe (all of them when the block
+        # is a multiple of fe, see partition.fragment_elems).
+        uniform = ((stops - starts) == fe) & (starts % fe == 0)
         addr = self._addrs[server]
-        send = self._udp.send
         sent = errors = 0
-        for i, (channel, start, stop, drop) in enumerate(zip(chans.tolist(), starts.tolist(),
-                                                              stops.tolist(), dropped.tolist())):
-            if drop:
-                continue
-            if send(channel, addr, header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
-                    data_view[start * size:stop * size]):
-                sent += 1
-            else:
-                errors += 1
+        if uniform.any():
+            rows = np.flatnonzero(uniform)
+            n_rows_total = values.size // fe
+            payload = np.take(values[:n_rows_total * fe].reshape(n_rows_total, fe),
+                              starts[rows] // fe, axis=0, mode="clip")
+            row_bytes = HEADER_BYTES + fe * size
+            staging = np.empty((len(rows), row_bytes), dtype=np.uint8)
+            staging[:, :HEADER_BYTES] = headers[rows].view(np.uint8).reshape(len(rows), -1)
+            staging[:, HEADER_BYTES:] = payload.view(np.uint8).reshape(len(rows), -1)
+            row_chans = chans[rows]
+            bounds = np.flatnonzero(np.diff(row_chans)) + 1
+            for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(rows)]):
+                ok, bad = self._udp.send_rows(int(row_chans[lo]), addr, staging[lo:hi])
+                sent += ok
+                errors += bad
+        if not uniform.all():
+            header_view = memoryview(headers.tobytes())
+            data_view = memoryview(values).cast("B")
+            for i in np.flatnonzero(~uniform).tolist():
+                if self._udp.send(int(chans[i]), addr,
+                                  header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
+                                  data_view[int(starts[i]) * size:int(stops[i]) * size]):
+                    sent += 1
+                else:
+                    errors += 1
         if stats is not None:
             with self._stats_lock:
                 stats.datagrams_sent += sent

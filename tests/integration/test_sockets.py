@@ -8,7 +8,7 @@ import pytest
 
 from dgt.errors import StepTimeout
 from dgt.lossmodel import dropped_slots
-from dgt.partition import BlockLayout, FragmentLayout
+from dgt.partition import BlockLayout, FragmentLayout, fragment_elems
 from dgt.policy import assign_channels
 from dgt.scoring import block_mean_abs
 from dgt.wire import Header, MsgType, encode_header
@@ -38,7 +38,8 @@ def test_pushpull_of_rank_plus_one_sums_to_six_without_loss(make_job, dtype):
 def delivered_slots(config, rank, key, step, values, k):
     """Which fragment slots of this worker's push reach the merge: the test's own oracle."""
     layout = FragmentLayout(BlockLayout(values.size, config.block_elems),
-                            config.udp_payload_bytes // values.dtype.itemsize)
+                            fragment_elems(config.block_elems, values.dtype.itemsize,
+                                           config.udp_payload_bytes))
     channels = assign_channels(block_mean_abs(layout.blocks, values), k, config.udp_channels)
     reliable = np.repeat(channels == 0, layout.frags_per_block)
     udp = layout.slots_of_blocks(np.flatnonzero(channels))

@@ -181,3 +181,42 @@ def test_float16_parts_accumulate_in_float32():
         merger.add_push(header, np.array([0]), [np.full(4, value, np.float16)], 0.0)
     closed, = merger.poll(0.0)
     assert closed.merged.dtype == np.float16 and closed.merged[0] == 2050
+
+
+@pytest.mark.parametrize("mode", ["drop", "diff"])
+def test_batched_fragments_match_one_by_one(mode, rng):
+    """add_fragments (what the server uses) == add_fragment per datagram, late ones included."""
+    feedback = mode == "drop"
+    merged = []
+    for batched in (False, True):
+        merger = StepMerger(2, receive_mode=mode, grace_s=0.0, error_feedback=feedback)
+        picks = np.random.default_rng(5).integers(0, 8, size=(3, 12))  # slots, with repeats
+        for step in range(3):
+            heads = [push(merger, r, step, data(r) + step, [0], udp=6) for r in range(2)]
+            for r in range(2):
+                slots = picks[step] + 3  # blocks 1..2 (slot 8 does not exist: skip it)
+                slots = slots[slots < 8]
+                blocks, frags = np.divmod(slots, 3)
+                values = data(r) + step
+                if batched:
+                    starts = [LAYOUT.frag_range(b, f) for b, f in zip(blocks, frags)]
+                    lengths = np.array([b - a for a, b in starts])
+                    rows = np.zeros((len(slots), FE), np.float32)
+                    for i, (a, b) in enumerate(starts):
+                        rows[i, :b - a] = values[a:b]
+                    header = Header(MsgType.DATA, rank=r, channel=1, dtype=1, key=1, step=step,
+                                    n_elems=N, block_elems=B, frag_elems=FE)
+                    merger.add_fragments(header, blocks, frags, rows, lengths)
+                else:
+                    for b, f in zip(blocks, frags):
+                        frag(merger, r, step, values, b, f)
+                end(merger, heads[r])
+            closed, = merger.poll(float(step + 1))
+            if step < 2:  # a late datagram of this step, after its close
+                for r in range(2):
+                    frag(merger, r, step, data(r) + step, 2, 1)
+            merged.append((closed.merged.copy(), dict(merger.counters)))
+    half = len(merged) // 2
+    for (a, ca), (b, cb) in zip(merged[:half], merged[half:]):
+        np.testing.assert_array_equal(a, b)
+    assert merged[half - 1][1] == merged[-1][1]

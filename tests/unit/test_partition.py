@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dgt.partition import BlockLayout, FragmentLayout, plan_parts
+from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts
 
 
 @pytest.mark.parametrize("n, b, blocks, last", [(1, 1024, 1, 1), (1023, 1024, 1, 1023),
@@ -78,3 +78,12 @@ def test_slot_ranges_match_frag_range():
     starts, stops = layout.slot_ranges(slots)
     assert list(zip(starts.tolist(), stops.tolist())) == [
         layout.frag_range(s // 3, s % 3) for s in slots]
+
+
+@pytest.mark.parametrize("block, itemsize, payload, expected", [
+    (1024, 4, 1400, 256), (1024, 2, 1400, 512), (1000, 4, 1400, 250), (300, 4, 1400, 300),
+    (1021, 4, 1400, 350),  # prime: no divisor near, plain maximum
+])
+def test_fragment_elems_prefers_equal_fragments(block, itemsize, payload, expected):
+    fe = fragment_elems(block, itemsize, payload)
+    assert fe == expected and fe * itemsize <= payload
