@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
+DEMO_STEPS ?= 200
+DEMO_DIR ?= runs/demo
+
 .PHONY: setup test test-fast demo dataset bench clean
 
 # The venv is (re)built when setup.py changes; otherwise this is a no-op.
@@ -21,6 +24,22 @@ test: setup
 # Unit and socket tests only (no MXNet processes): a few seconds.
 test-fast: setup
 	$(PY) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
+
+# Fashion-MNIST comes from the Debian package (installed when missing and we are root).
+dataset:
+	@if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; \
+	else echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist'"; exit 1; fi
+
+# The main job: AlexNet on Fashion-MNIST, 2 workers + 1 server, kvstore='dgt'.
+demo: setup dataset
+	mkdir -p $(DEMO_DIR)
+	$(PY) examples/launch.py -n 2 -- $(PY) examples/train_alexnet.py --kvstore dgt \
+	  --dataset fashion-mnist --max-steps $(DEMO_STEPS) --eval-samples 2000 \
+	  --log $(DEMO_DIR)/curve-{model}-{kvstore}.jsonl
+	$(PY) -m dgt.plot $(DEMO_DIR)/curve-alexnet-dgt.jsonl -o $(DEMO_DIR)/plots
+	@echo "plots are in $(DEMO_DIR)/plots"
 
 bench: setup
 	$(PY) benchmarks/loopback.py

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -71,11 +72,26 @@ class _Child:
         self.reader.start()
 
     def _pump(self) -> None:
+        """Copy the child's output, prefixing every line.  Progress bars redraw their line
+        with a carriage return; each redraw gets the prefix too, so they stay readable."""
         prefix = f"[{self.name}] ".encode()
         out = sys.stdout.buffer
-        for line in iter(self.proc.stdout.readline, b""):
+        pending = b""
+        while True:
+            chunk = self.proc.stdout.read1(65536)
+            if not chunk:
+                break
+            pending += chunk
+            pieces = re.split(rb"(\r\n|\n|\r)", pending)
+            pending = pieces.pop()  # an unfinished line waits for the rest
             with _print_lock:
-                out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                for text, end in zip(pieces[0::2], pieces[1::2]):
+                    if text or end != b"\r":
+                        out.write(prefix + text + end)
+                out.flush()
+        if pending:
+            with _print_lock:
+                out.write(prefix + pending + b"\n")
                 out.flush()
 
     def signal(self, sig: int) -> None:

@@ -175,6 +175,10 @@ class Worker:
         self._round_key: Optional[int] = None
         self._round = -1
         self._stats: Optional[StepStats] = None
+        self.last_stats: Optional[StepStats] = None  # the last finished step
+        self.totals = {"steps": 0, "bytes_per_channel": [0] * (config.udp_channels + 1),
+                       "udp_expected": 0, "udp_merged": 0, "udp_lost": 0, "udp_late": 0,
+                       "feedback_elems": 0}
         self._stats_lock = threading.Lock()
         self._round_lock = threading.RLock()
         self._plan_lock = threading.Lock()
@@ -546,7 +550,16 @@ class Worker:
     # == statistics and adaptive threshold ====================================================
     def _finish_round(self) -> None:
         stats, self._stats = self._stats, None
-        if stats is not None and self._sink is not None:
+        if stats is None:
+            return
+        self.last_stats = stats
+        totals = self.totals
+        totals["steps"] += 1
+        for index, nbytes in enumerate(stats.bytes_per_channel):
+            totals["bytes_per_channel"][index] += nbytes
+        for name in ("udp_expected", "udp_merged", "udp_lost", "udp_late", "feedback_elems"):
+            totals[name] += getattr(stats, name)
+        if self._sink is not None:
             self._sink.write(stats)
 
     def _count(self, stats: Optional[StepStats], channel: int, blocks: int, nbytes: int) -> None:
