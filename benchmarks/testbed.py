@@ -1,0 +1,251 @@
+"""An emulated congested cluster on one Linux machine (root only).
+
+    python -m benchmarks.testbed check                 # can this machine build it?
+    python -m benchmarks.testbed demo --rate 100       # build, measure, tear down
+
+One network namespace per node, each joined by a veth pair to one bridge; addresses in a
+private /24 used only by the testbed.  Every link is shaped in *both* directions (the node's
+``e0`` for what it sends, the bridge-side ``v..`` for what it receives, where a parameter
+server's incast builds up) with HTB at ``rate_mbit``:
+
+* one class per priority level, matched with ``u32`` on the IP precedence bits of the TOS byte
+  that dgt sets per channel (``IP_TOS``, no privilege needed): the reliable channel (precedence
+  C) gets the highest HTB priority and a long queue; UDP channel i (precedence C - i) gets
+  priority i and a short ``pfifo`` (``low_queue_packets``), so under congestion the kernel drops
+  there -- real loss, as in a switch with priority queues;
+* everything else (precedence 0: ARP, MXNet's and Horovod's unmarked TCP) lands in the lowest
+  class, which still gets the whole link when it is alone.
+
+Set-up and teardown are one context manager; teardown always runs (``finally`` and SIGTERM/
+SIGINT) and deletes the namespaces and the bridge, which takes the veths and qdiscs with them.
+The kernel needs htb, pfifo and u32 (no netem, no prio: they are not everywhere).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+__all__ = ["Testbed", "available", "TestbedUnavailable"]
+
+
+class TestbedUnavailable(RuntimeError):
+    """This machine cannot build the testbed; the message says why."""
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def available() -> Optional[str]:
+    """None when the testbed can be built here, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs the '{tool}' command (Debian package iproute2)"
+    name = f"dgtp{uuid.uuid4().hex[:6]}"
+    try:
+        _run("ip", "netns", "add", name)
+    except RuntimeError as exc:
+        return f"cannot create a network namespace: {exc}"
+    try:
+        _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        _run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "handle",
+             "1:", "htb", "default", "10")
+        _run("ip", "netns", "exec", name, "tc", "class", "add", "dev", "lo", "parent", "1:",
+             "classid", "1:10", "htb", "rate", "1mbit")
+        _run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "parent", "1:10",
+             "pfifo", "limit", "10")
+        _run("ip", "netns", "exec", name, "tc", "filter", "add", "dev", "lo", "parent", "1:",
+             "protocol", "ip", "u32", "match", "ip", "tos", "0x00", "0xe0", "flowid", "1:10")
+    except RuntimeError as exc:
+        return f"the kernel lacks htb, pfifo or u32: {exc}"
+    finally:
+        _run("ip", "netns", "del", name, check=False)
+    return None
+
+
+@dataclass
+class Testbed:
+    """A star of ``nodes`` (names) around one bridge, every link shaped to ``rate_mbit``."""
+
+    nodes: List[str]
+    rate_mbit: float = 1000.0
+    udp_channels: int = 3
+    low_queue_packets: int = 100
+    high_queue_packets: int = 1000
+    subnet: str = "10.213.77"  # private, testbed-only addresses: <subnet>.<1..>
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
+    addresses: Dict[str, str] = field(default_factory=dict)
+    _up: bool = False
+
+    # -- naming -------------------------------------------------------------------------------
+    def netns(self, node: str) -> str:
+        return f"dgt{self.tag}-{node}"
+
+    def bridge_side(self, node: str) -> str:
+        return f"v{self.tag}{self.nodes.index(node)}"
+
+    @property
+    def bridge(self) -> str:
+        return f"br{self.tag}"
+
+    def exec_prefix(self, node: str) -> List[str]:
+        """Prefix a command with this to run it inside ``node``'s namespace."""
+        return ["ip", "netns", "exec", self.netns(node)]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> "Testbed":
+        reason = available()
+        if reason:
+            raise TestbedUnavailable(reason)
+        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        for sig in self._previous:
+            signal.signal(sig, self._on_signal)
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+        for sig, handler in getattr(self, "_previous", {}).items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame):
+        self.teardown()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def _build(self) -> None:
+        self._up = True
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "link", "set", self.bridge, "up")
+        for index, node in enumerate(self.nodes):
+            ns, outside = self.netns(node), self.bridge_side(node)
+            address = f"{self.subnet}.{index + 1}"
+            self.addresses[node] = address
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", outside, "type", "veth", "peer", "name", "e0", "netns", ns)
+            _run("ip", "link", "set", outside, "master", self.bridge, "up")
+            inside = ["ip", "netns", "exec", ns]
+            _run(*inside, "ip", "addr", "add", f"{address}/24", "dev", "e0")
+            _run(*inside, "ip", "link", "set", "e0", "up")
+            _run(*inside, "ip", "link", "set", "lo", "up")
+            self._shape([], outside)
+            self._shape(inside, "e0")
+
+    def _shape(self, prefix: List[str], dev: str) -> None:
+        """HTB with one class per precedence level; see the module docstring."""
+        rate = f"{self.rate_mbit}mbit"
+        levels = self.udp_channels + 1  # precedence C (reliable) .. 0 (last UDP channel)
+        lowest = 10 + levels - 1
+        tc = [*prefix, "tc"]
+        _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default",
+             str(lowest), "r2q", "100")
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+             "rate", rate, "ceil", rate)
+        for level in range(levels):  # level 0 = reliable channel = highest priority
+            classid = f"1:{10 + level}"
+            precedence = self.udp_channels - level
+            assured = rate if level == 0 else "1mbit"
+            _run(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", classid, "htb",
+                 "rate", assured, "ceil", rate, "prio", str(min(level, 7)))
+            queue = self.high_queue_packets if level == 0 else self.low_queue_packets
+            _run(*tc, "qdisc", "add", "dev", dev, "parent", classid, "handle", f"{20 + level}:",
+                 "pfifo", "limit", str(queue))
+            _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                 "u32", "match", "ip", "tos", f"{precedence << 5:#04x}", "0xe0",
+                 "flowid", classid)
+
+    def teardown(self) -> None:
+        if not self._up:
+            return
+        self._up = False
+        for node in self.nodes:
+            pids = _run("ip", "netns", "pids", self.netns(node), check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _run("ip", "netns", "del", self.netns(node), check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+
+    # -- measurements -------------------------------------------------------------------------
+    def link_bytes(self, node: str) -> Dict[str, int]:
+        """Bytes the node received (``rx``) and sent (``tx``) so far, from the bridge side."""
+        base = f"/sys/class/net/{self.bridge_side(node)}/statistics"
+        with open(f"{base}/tx_bytes") as f:
+            received = int(f.read())
+        with open(f"{base}/rx_bytes") as f:
+            sent = int(f.read())
+        return {"rx": received, "tx": sent}
+
+    def class_drops(self, node: str) -> Dict[str, Dict[str, int]]:
+        """Per-class sent bytes and drops on the node's incoming link (bridge side)."""
+        text = _run("tc", "-s", "class", "show", "dev", self.bridge_side(node)).stdout
+        out, current = {}, None
+        for line in text.splitlines():
+            words = line.split()
+            if words[:2] == ["class", "htb"]:
+                current = words[2]
+            elif words[:1] == ["Sent"] and current:
+                where = [i for i, w in enumerate(words) if w.strip("(") == "dropped"][0]
+                dropped = int(words[where + 1].rstrip(","))
+                out[current] = {"bytes": int(words[1]), "dropped": dropped}
+        return out
+
+
+def _measure_demo(rate: float) -> int:
+    """Build a 2-node testbed and show shaping and priority at work."""
+    server_code = ("import socket,time,sys\n"
+                   "t=socket.socket();t.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+                   "t.bind(('0.0.0.0',5001));t.listen(1);c,_=t.accept();n=0;s=time.time()\n"
+                   "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
+                   "print(f'tcp {n*8/(time.time()-s)/1e6:.1f} Mbit/s')\n")
+    with Testbed(["a", "b"], rate_mbit=rate) as bed:
+        receiver = subprocess.Popen(bed.exec_prefix("b") + [sys.executable, "-c", server_code],
+                                    stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        sender_code = ("import socket;s=socket.create_connection(('%s',5001));"
+                       "d=b'x'*(1<<20)\nfor _ in range(%d): s.sendall(d)\ns.close()"
+                       % (bed.addresses["b"], max(4, int(rate / 8))))
+        start = time.time()
+        subprocess.run(bed.exec_prefix("a") + [sys.executable, "-c", sender_code], check=True)
+        out, _ = receiver.communicate(timeout=120)
+        sys.stdout.write(f"configured {rate} Mbit/s; measured {out.strip()} "
+                         f"({time.time() - start:.1f} s)\n")
+        sys.stdout.write(f"classes on b's link: {bed.class_drops('b')}\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.testbed")
+    parser.add_argument("action", choices=("check", "demo"))
+    parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")
+    args = parser.parse_args(argv)
+    reason = available()
+    if args.action == "check":
+        sys.stdout.write("testbed available\n" if reason is None else f"unavailable: {reason}\n")
+        return 0 if reason is None else 1
+    if reason:
+        sys.stdout.write(f"unavailable: {reason}\n")
+        return 1
+    return _measure_demo(args.rate)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The emulated network (root only): rate shaping, priority, loss, clean teardown."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.testbed import Testbed, available
+
+REASON = available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"testbed: {REASON}")
+
+RECEIVE_TCP = """
+import socket, sys, time
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 5001)); srv.listen(1); conn, _ = srv.accept()
+total, start = 0, time.time()
+while True:
+    data = conn.recv(1 << 20)
+    if not data:
+        break
+    total += len(data)
+print(total * 8 / (time.time() - start) / 1e6)
+"""
+
+SEND_TCP = """
+import socket, sys
+tos = int(sys.argv[2])
+s = socket.socket(); s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+s.connect((sys.argv[1], 5001)); chunk = b"x" * (1 << 20)
+for _ in range(int(sys.argv[3])):
+    s.sendall(chunk)
+s.close()
+"""
+
+FLOOD_UDP = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0)
+end = time.time() + float(sys.argv[2]); payload = b"u" * 1400
+while time.time() < end:
+    s.sendto(payload, (sys.argv[1], 5002))
+"""
+
+
+def tcp_transfer(bed, megabytes, tos=0x60, sender="a"):
+    receiver = subprocess.Popen(bed.exec_prefix("b") + [sys.executable, "-c", RECEIVE_TCP],
+                                stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    subprocess.run(bed.exec_prefix(sender) + [sys.executable, "-c", SEND_TCP,
+                                              bed.addresses["b"], str(tos), str(megabytes)],
+                   check=True, timeout=120)
+    out, _ = receiver.communicate(timeout=120)
+    return float(out.strip())
+
+
+def test_a_link_carries_about_its_configured_rate():
+    with Testbed(["a", "b"], rate_mbit=100) as bed:
+        mbit = tcp_transfer(bed, 12)
+    assert 80 <= mbit <= 105, mbit
+
+
+def test_low_priority_udp_yields_to_the_reliable_class_and_is_dropped():
+    # Incast, as at a parameter server: c floods b with unmarked UDP while a sends TCP marked
+    # as dgt's reliable channel; both meet in the queue of b's incoming link.
+    with Testbed(["a", "b", "c"], rate_mbit=100, udp_channels=3) as bed:
+        flood = subprocess.Popen(bed.exec_prefix("c") + [sys.executable, "-c", FLOOD_UDP,
+                                                         bed.addresses["b"], "6"])
+        time.sleep(0.5)
+        mbit = tcp_transfer(bed, 30, tos=3 << 5)  # precedence 3 = reliable channel when C=3
+        flood.wait(timeout=30)
+        classes = bed.class_drops("b")
+    assert mbit > 75, f"TCP got only {mbit:.1f} Mbit/s beside the flood"
+    assert classes["1:13"]["dropped"] > 0, classes  # the flood's class lost packets
+    assert classes["1:10"]["dropped"] == 0, classes  # the reliable class lost none
+
+
+def test_teardown_leaves_nothing_behind():
+    with Testbed(["x", "y"], rate_mbit=50) as bed:
+        names = [bed.netns(n) for n in bed.nodes]
+        bridge = bed.bridge
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names)
+    links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+    assert bridge not in links
+
+
+def test_teardown_runs_when_the_body_fails():
+    with pytest.raises(RuntimeError):
+        with Testbed(["p"], rate_mbit=50) as bed:
+            name = bed.netns("p")
+            raise RuntimeError("boom")
+    assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                      text=True).stdout
