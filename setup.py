@@ -28,7 +28,6 @@ setup(
     },
     entry_points={"console_scripts": ["dgt-launch=dgt.launch:main"]},
     classifiers=[
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
         "Topic :: System :: Distributed Computing",

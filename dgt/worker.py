@@ -7,8 +7,8 @@ Flow of one push, per server part (each step a plain function of :mod:`dgt.parti
       -> reliable PUSH (TCP, first) -> UDP datagrams (channel 1 first) -> await REPLY
 
 Calls return a :class:`Pending` at once; the network work of different keys overlaps.  One
-I/O thread owns the ZeroMQ sockets (they are not thread-safe): callers hand it frames over an
-``inproc`` socket and it resolves pending results as replies arrive.  Every wait is bounded by
+I/O thread owns the ZeroMQ sockets (they are not thread-safe): callers, on any thread, hand it
+frames through a queue and it resolves pending results as replies arrive.  Every wait is bounded by
 ``Config.timeout_s``.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
+import queue
 import threading
 import time
 import weakref
@@ -156,10 +158,13 @@ class Worker:
                                      "the servers' real ports, not 0")
         self._addrs = addrs
         self._ctx = context or zmq.Context.instance()
-        self._inproc = f"inproc://dgt-worker-{id(self):x}"
-        self._local = threading.local()
-        self._sockets_lock = threading.Lock()
-        self._thread_sockets: List[zmq.Socket] = []
+        # Any thread may send (MXNet runs pushes on its own operator threads, a new one per
+        # operator at times): frames go through a queue to the I/O thread, which owns every
+        # ZeroMQ socket; a pipe wakes it up.  No per-thread socket, so nothing accumulates.
+        self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._inflight: Dict[tuple, _Inflight] = {}
         self._inflight_lock = threading.Lock()
         self._fatal: Optional[BaseException] = None
@@ -189,8 +194,6 @@ class Worker:
         self.num_workers = config.num_workers
         self.counters = {"udp_send_errors": 0, "replies": 0}
 
-        self._cmd = self._ctx.socket(zmq.PULL)
-        self._cmd.bind(self._inproc)
         self._dealers = []
         for host, port in addrs:
             dealer = self._ctx.socket(zmq.DEALER)
@@ -331,10 +334,8 @@ class Worker:
         except zmq.ZMQError:
             pass
         self._thread.join(timeout=5.0)
-        with self._sockets_lock:
-            for sock in self._thread_sockets:
-                sock.close(linger=0)
-            self._thread_sockets = []
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         self._udp.close()
         if self._sink is not None:
             self._sink.close()
@@ -523,15 +524,13 @@ class Worker:
             self._inflight[ident] = inflight
 
     def _send(self, server: int, frames: list) -> None:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(self._inproc)
-            self._local.sock = sock
-            with self._sockets_lock:
-                self._thread_sockets.append(sock)
-        sock.send_multipart([bytes([server & 0xFF])] + frames, copy=False)
+        """Queue ``frames`` for server ``server`` (-1 with no frames: stop the I/O thread).
+        Arrays are sent without a copy; they must stay unchanged until the reply."""
+        self._outbox.put((server, frames))
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
 
     def _check_usable(self) -> None:
         if self._fatal is not None:
@@ -571,7 +570,7 @@ class Worker:
     # == I/O thread ===========================================================================
     def _io_loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._cmd, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         for dealer in self._dealers:
             poller.register(dealer, zmq.POLLIN)
         stopping = False
@@ -579,17 +578,20 @@ class Worker:
         try:
             while not stopping:
                 events = dict(poller.poll(200))
-                if self._cmd in events:
-                    while True:
-                        try:
-                            frames = self._cmd.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        target = frames[0].bytes[0]
-                        if len(frames) == 1:
-                            stopping = True
-                            break
-                        self._dealers[target].send_multipart(frames[1:], copy=False)
+                if self._wake_read in events:
+                    try:
+                        os.read(self._wake_read, 65536)
+                    except BlockingIOError:
+                        pass
+                while not stopping:
+                    try:
+                        target, frames = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if target < 0:
+                        stopping = True
+                    else:
+                        self._dealers[target].send_multipart(frames, copy=False)
                 for index, dealer in enumerate(self._dealers):
                     if dealer in events:
                         while True:
@@ -605,7 +607,6 @@ class Worker:
             logger.exception("dgt worker I/O thread failed")
             self._fail_all(exc)
         finally:
-            self._cmd.close(linger=0)
             for dealer in self._dealers:
                 dealer.close()
 
