@@ -62,9 +62,13 @@ def _free_port_block(host: str, count: int) -> int:
 
 
 class _Child:
-    def __init__(self, role: str, rank: int, argv: List[str], env: Dict[str, str]):
+    """One started process whose output is copied, line by line with a prefix, to ``out``
+    (a binary stream; this process's stdout by default)."""
+
+    def __init__(self, role: str, rank: int, argv: List[str], env: Dict[str, str], out=None):
         self.role, self.rank = role, rank
         self.name = f"{role} {rank}"
+        self.out = out
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -75,7 +79,7 @@ class _Child:
         """Copy the child's output, prefixing every line.  Progress bars redraw their line
         with a carriage return; each redraw gets the prefix too, so they stay readable."""
         prefix = f"[{self.name}] ".encode()
-        out = sys.stdout.buffer
+        out = self.out or sys.stdout.buffer
         pending = b""
         while True:
             chunk = self.proc.stdout.read1(65536)
@@ -161,6 +165,12 @@ def _build_children(args, command: List[str]) -> List[_Child]:
                    DGT_NUM_WORKERS=str(args.workers))
         children.append(_Child("worker", rank, command, env))
     return children
+
+
+def supervise(children: List[_Child], timeout_s: float) -> int:
+    """Wait for the job: the first failure stops everything and is returned; when every
+    worker succeeded the other roles get 15 s to leave, then are stopped; 124 on timeout."""
+    return _supervise(children, timeout_s)
 
 
 def _supervise(children: List[_Child], timeout_s: float) -> int:

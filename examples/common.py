@@ -62,6 +62,8 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         help="JSON-lines curve file ('{model}', '{kvstore}' are filled in); "
                              "`python -m dgt.plot` draws it")
     parser.add_argument("--log-every", type=int, default=10, help="steps between curve points")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="also measure test accuracy every this many steps (0: per epoch)")
     parser.add_argument("--save-params", default="",
                         help="write the final parameters of this worker to this .npy path "
                              "('{rank}' is filled in)")
@@ -174,7 +176,20 @@ def train(model: str, argv=None) -> dict:
 
         progress = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout)
     start = time.perf_counter()
+    eval_s = 0.0  # time spent evaluating, left out of train_time_s
     step, losses, accuracy = 0, [], None
+
+    def record_eval(epoch):
+        nonlocal accuracy, eval_s
+        began = time.perf_counter()
+        accuracy = evaluate(net, dataset, size, ctx, args.eval_samples)
+        eval_s += time.perf_counter() - began
+        now = time.perf_counter() - start
+        curve.write({"event": "eval", "step": step, "epoch": epoch, "time_s": now,
+                     "train_time_s": now - eval_s, "accuracy": accuracy})
+        if progress is not None:
+            progress.write(f"step {step}: test accuracy {accuracy:.4f}")
+
     rng = np.random.default_rng(args.seed + 1000 * rank)
     for epoch in range(args.epochs):
         order = rng.permutation(shard)
@@ -205,8 +220,9 @@ def train(model: str, argv=None) -> dict:
                 progress.set_postfix(postfix, refresh=False)
                 progress.update(1)
             if rank == 0 and (step % args.log_every == 0 or step == total_steps):
-                record = {"event": "step", "step": step, "epoch": epoch,
-                          "time_s": time.perf_counter() - start,
+                now = time.perf_counter() - start
+                record = {"event": "step", "step": step, "epoch": epoch, "time_s": now,
+                          "train_time_s": now - eval_s,
                           "loss": float(np.mean(losses[-args.log_every:]))}
                 counters = dgt_counters(kv)
                 if counters:
@@ -214,12 +230,11 @@ def train(model: str, argv=None) -> dict:
                                   udp_expected=counters["udp_expected"],
                                   udp_lost=counters["udp_lost"])
                 curve.write(record)
+            if rank == 0 and args.eval_every and step % args.eval_every == 0 \
+                    and step < total_steps:
+                record_eval(epoch)
         if rank == 0:
-            accuracy = evaluate(net, dataset, size, ctx, args.eval_samples)
-            curve.write({"event": "eval", "step": step, "epoch": epoch,
-                         "time_s": time.perf_counter() - start, "accuracy": accuracy})
-            if progress is not None:
-                progress.write(f"epoch {epoch}: test accuracy {accuracy:.4f} after {step} steps")
+            record_eval(epoch)
         if step >= total_steps:
             break
     mx.nd.waitall()
@@ -227,7 +242,7 @@ def train(model: str, argv=None) -> dict:
     if progress is not None:
         progress.close()
     summary = {"event": "summary", "model": model, "kvstore": args.kvstore, "steps": step,
-               "time_s": elapsed, "accuracy": accuracy,
+               "time_s": elapsed, "train_time_s": elapsed - eval_s, "accuracy": accuracy,
                "final_loss": float(np.mean(losses[-20:])) if losses else None}
     counters = dgt_counters(kv)
     if counters:

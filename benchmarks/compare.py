@@ -1,0 +1,357 @@
+"""Side-by-side benchmark on the emulated congested cluster (root only).
+
+    sudo python -m benchmarks.compare --quick            # every system on AlexNet, < 10 min
+    sudo python -m benchmarks.compare --models alexnet,vgg11,googlenet --steps 300 \\
+         --eval-every 50 --target-accuracy 0.7
+
+For every model, the same testbed (``benchmarks/testbed.py``: one namespace per node, links
+shaped to ``--rate`` Mbit/s in both directions, priority classes on the TOS byte), the same
+data (Fashion-MNIST, IID, the same seeds) and the same step budget, one system after the other:
+
+* ``dgt``           -- dgt with its defaults;
+* ``dgt-reliable``  -- dgt with ``DGT_ENABLE=0`` (everything over TCP: transport efficiency);
+* ``dist_sync``     -- MXNet's parameter server;
+* ``dist_sync_2bit``-- the same with 2-bit gradient compression;
+* ``dist_sync_p3``  -- the same with MXNet's P3 priority van;
+* ``horovod``       -- Horovod allreduce, when ``horovod.mxnet`` imports (else reported as
+  not installed).
+
+Each run is a real training job (``examples/train_<model>.py``) with the server in its own
+namespace and each worker in its own.  Reported per system and model: median and p90 step time,
+throughput, bytes through the server's link per step (kernel interface counters), UDP loss
+(dgt), time to ``--target-accuracy`` and the final accuracy, and a lower bound
+``max(compute time, bytes through the bottleneck / rate)``.  Results go to
+``benchmarks/results/<name>.csv``, ``.md`` and ``<name>-*.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from benchmarks.testbed import Testbed, available  # noqa: E402
+from dgt.launch import _Child, supervise  # noqa: E402
+
+SYSTEMS = ("dgt", "dgt-reliable", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod")
+COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "step_time_p90_s",
+           "throughput_samples_s", "bytes_per_step", "udp_loss_rate", "time_to_target_s",
+           "final_accuracy", "compute_s", "lower_bound_s", "status")
+
+
+@dataclass
+class Row:
+    system: str
+    model: str
+    workers: int
+    rate_mbit: float
+    steps: int = 0
+    step_time_s: Optional[float] = None
+    step_time_p90_s: Optional[float] = None
+    throughput_samples_s: Optional[float] = None
+    bytes_per_step: Optional[float] = None
+    udp_loss_rate: Optional[float] = None
+    time_to_target_s: Optional[float] = None
+    final_accuracy: Optional[float] = None
+    compute_s: Optional[float] = None
+    lower_bound_s: Optional[float] = None
+    status: str = "ok"
+
+
+# -- measuring one run ------------------------------------------------------------------------
+def summarise_curve(path: str, target: float, warmup: int) -> dict:
+    steps, evals, summary = [], [], {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("event") == "step":
+                steps.append(record)
+            elif record.get("event") == "eval":
+                evals.append(record)
+            elif record.get("event") == "summary":
+                summary = record
+    times = [b["train_time_s"] - a["train_time_s"] for a, b in zip(steps, steps[1:])
+             if b["step"] == a["step"] + 1 and b["step"] > warmup]
+    out = {"steps": summary.get("steps", len(steps)),
+           "final_accuracy": evals[-1]["accuracy"] if evals else None,
+           "udp_loss_rate": summary.get("udp_loss_rate"),
+           "accuracy_curve": [(e["train_time_s"], e["accuracy"]) for e in evals]}
+    if times:
+        ordered = sorted(times)
+        out["step_time_s"] = statistics.median(times)
+        out["step_time_p90_s"] = ordered[int(0.9 * (len(ordered) - 1))]
+    reached = [e["train_time_s"] for e in evals if e["accuracy"] >= target] if target else []
+    out["time_to_target_s"] = reached[0] if reached else None
+    return out
+
+
+def measure_compute(model: str, batch: int) -> Optional[float]:
+    """Median fwd+bwd+update time of one process with no communication (kvstore local)."""
+    with open(os.devnull, "w") as devnull:
+        path = os.path.join(HERE, "results", f".compute-{model}-{os.getpid()}.jsonl")
+        cmd = [sys.executable, os.path.join(ROOT, "examples", f"train_{model}.py"),
+               "--kvstore", "local", "--dataset", "fashion-mnist", "--max-steps", "12",
+               "--batch-size", str(batch), "--eval-samples", "10", "--log-every", "1",
+               "--log", path]
+        if subprocess.run(cmd, stdout=devnull, stderr=devnull, timeout=900).returncode != 0:
+            return None
+    try:
+        return summarise_curve(path, 0.0, warmup=3).get("step_time_s")
+    finally:
+        os.remove(path)
+
+
+def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) -> List[_Child]:
+    server_ip = bed.addresses["server"]
+    port = 9100 + random.randrange(800)
+    base = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for key in [k for k in base if k.startswith(("DGT_", "DMLC_"))]:
+        del base[key]
+    train = [sys.executable, os.path.join(ROOT, "examples", f"train_{model}.py"),
+             "--dataset", "fashion-mnist", "--max-steps", str(args.steps), "--batch-size",
+             str(args.batch_size), "--lr", str(args.lr), "--eval-samples", str(args.eval_samples),
+             "--log-every", "1", "--log", curve, "--seed", "0"]
+    if args.eval_every:
+        train += ["--eval-every", str(args.eval_every)]
+    children = []
+    if system.startswith("dgt"):
+        job = {"DGT_NUM_WORKERS": str(args.workers), "DGT_SERVER_ADDRS": f"{server_ip}:{port}",
+               "DGT_JOB_ID": str(random.randrange(1, 2 ** 31)),
+               "DGT_TIMEOUT_S": "600"}
+        if system == "dgt-reliable":
+            job["DGT_ENABLE"] = "0"
+        job.update(args.dgt_env)
+        children.append(_Child("server", 0, bed.exec_prefix("server") + [
+            sys.executable, "-m", "dgt.server"], dict(base, **job, DGT_ROLE="server",
+                                                      DGT_BIND_HOST="0.0.0.0"), out=log))
+        for rank in range(args.workers):
+            children.append(_Child("worker", rank, bed.exec_prefix(f"worker{rank}") + train + [
+                "--kvstore", "dgt"], dict(base, **job, DGT_RANK=str(rank)), out=log))
+        return children
+    kvstore = system
+    job = {"DMLC_PS_ROOT_URI": server_ip, "DMLC_PS_ROOT_PORT": str(port),
+           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": str(args.workers), "DMLC_INTERFACE": "e0"}
+    if system == "dist_sync_p3":
+        job["DMLC_PS_VAN_TYPE"] = "p3"
+    start = [sys.executable, "-c", "import mxnet"]
+    children.append(_Child("scheduler", 0, bed.exec_prefix("server") + start, dict(
+        base, **job, DMLC_ROLE="scheduler", DMLC_NODE_HOST=server_ip), out=log))
+    time.sleep(1.0)
+    children.append(_Child("server", 0, bed.exec_prefix("server") + start, dict(
+        base, **job, DMLC_ROLE="server", DMLC_NODE_HOST=server_ip), out=log))
+    for rank in range(args.workers):
+        node = f"worker{rank}"
+        children.append(_Child("worker", rank, bed.exec_prefix(node) + train + [
+            "--kvstore", kvstore], dict(base, **job, DMLC_ROLE="worker",
+                                        DMLC_NODE_HOST=bed.addresses[node],
+                                        DGT_RANK=str(rank)), out=log))
+    return children
+
+
+def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float]) -> Row:
+    row = Row(system, model, args.workers, args.rate)
+    if system == "horovod":
+        probe = subprocess.run([sys.executable, "-c", "import horovod.mxnet"],
+                               capture_output=True)
+        if probe.returncode != 0:
+            row.status = "not installed (pip install horovod with HOROVOD_WITH_MXNET=1)"
+            return row
+        row.status = "installed, but this harness does not drive horovodrun yet"
+        return row
+    results = args.results_dir
+    curve = os.path.join(results, f"{args.name}-{model}-{system}.jsonl")
+    log_path = os.path.join(results, f"{args.name}-{model}-{system}.log")
+    before = bed.link_bytes("server")
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        children = job_processes(system, bed, args, model, curve, log)
+        code = supervise(children, args.run_timeout)
+    after = bed.link_bytes("server")
+    print(f"  {system:15s} {model:10s} exit {code} in {time.perf_counter() - started:.0f} s",
+          flush=True)
+    if code != 0 or not os.path.exists(curve):
+        row.status = f"failed (exit {code}, see {os.path.relpath(log_path, ROOT)})"
+        return row
+    measured = summarise_curve(curve, args.target_accuracy, warmup=3)
+    row.steps = measured["steps"]
+    row.step_time_s = measured.get("step_time_s")
+    row.step_time_p90_s = measured.get("step_time_p90_s")
+    row.final_accuracy = measured["final_accuracy"]
+    row.udp_loss_rate = measured["udp_loss_rate"]
+    row.time_to_target_s = measured["time_to_target_s"]
+    if row.step_time_s:
+        row.throughput_samples_s = args.workers * args.batch_size / row.step_time_s
+    received, sent = after["rx"] - before["rx"], after["tx"] - before["tx"]
+    row.bytes_per_step = (received + sent) / max(row.steps, 1)
+    bottleneck_s = max(received, sent) / max(row.steps, 1) * 8 / (args.rate * 1e6)
+    row.compute_s = compute
+    row.lower_bound_s = max(compute or 0.0, bottleneck_s)
+    return row
+
+
+# -- reporting --------------------------------------------------------------------------------
+def fmt(value, digits=3):
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def write_reports(rows: List[Row], args, machine: str) -> List[str]:
+    results = args.results_dir
+    csv_path = os.path.join(results, f"{args.name}.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: v for k, v in asdict(row).items() if k in COLUMNS})
+    md_path = os.path.join(results, f"{args.name}.md")
+    with open(md_path, "w") as f:
+        f.write(markdown(rows, args, machine))
+    paths = [csv_path, md_path]
+    paths += plot(rows, args)
+    return paths
+
+
+def markdown(rows: List[Row], args, machine: str) -> str:
+    lines = [f"Run `{args.name}`: {args.workers} workers + 1 server, links {args.rate:g} Mbit/s, "
+             f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST. {machine}", "",
+             "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
+             "(server link) | UDP loss | time to target s | final acc | lower bound s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
+    for r in rows:
+        ratio = (r.step_time_s / base[r.model]) if r.step_time_s and base.get(r.model) else None
+        lines.append(
+            f"| {r.model} | {r.system} | {fmt(r.step_time_s)} | {fmt(r.step_time_p90_s)} | "
+            f"{fmt(ratio, 2)} | {fmt(r.throughput_samples_s, 1)} | "
+            f"{fmt(r.bytes_per_step / 1e6 if r.bytes_per_step else None, 1)} | "
+            f"{fmt(r.udp_loss_rate * 100 if r.udp_loss_rate is not None else None, 1)}"
+            f"{'%' if r.udp_loss_rate is not None else ''} | {fmt(r.time_to_target_s, 1)} | "
+            f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {r.status} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[Row], args) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = args.results_dir
+    written = []
+    models = sorted({r.model for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r.model == model and r.step_time_s]
+        ax.bar([r.system for r in mine], [r.step_time_s for r in mine], color="#4c72b0")
+        bounds = [r.lower_bound_s for r in mine]
+        ax.scatter([r.system for r in mine], bounds, color="black", marker="_", s=400,
+                   label="lower bound", zorder=3)
+        ax.set_title(f"{model}: step time")
+        ax.set_ylabel("seconds")
+        ax.tick_params(axis="x", rotation=30)
+        ax.legend()
+    fig.tight_layout()
+    path = os.path.join(results, f"{args.name}-step-time.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in rows:
+            if r.model != model:
+                continue
+            curve = os.path.join(results, f"{args.name}-{model}-{r.system}.jsonl")
+            if not os.path.exists(curve):
+                continue
+            points = summarise_curve(curve, 0.0, 3)["accuracy_curve"]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=r.system)
+        ax.set_title(f"{model}: test accuracy vs training time")
+        ax.set_xlabel("seconds (evaluation excluded)")
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = os.path.join(results, f"{args.name}-accuracy.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{r.model}\n{r.system}" for r in rows if r.bytes_per_step]
+    ax.bar(labels, [r.bytes_per_step / 1e6 for r in rows if r.bytes_per_step], color="#55a868")
+    ax.set_ylabel("MB per step through the server link (both directions)")
+    ax.tick_params(axis="x", rotation=45, labelsize=7)
+    fig.tight_layout()
+    path = os.path.join(results, f"{args.name}-bytes.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compare",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="AlexNet only, 12 steps per system, a small evaluation")
+    parser.add_argument("--models", default="alexnet,vgg11,googlenet")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument("--eval-samples", type=int, default=2000)
+    parser.add_argument("--target-accuracy", type=float, default=0.0,
+                        help="report the training time to reach this test accuracy")
+    parser.add_argument("--run-timeout", type=float, default=1800)
+    parser.add_argument("--dgt", action="append", default=[], metavar="VAR=VALUE",
+                        help="extra DGT_* setting for the dgt runs (repeatable)")
+    parser.add_argument("--name", default="", help="results file name (default: a timestamp)")
+    parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.steps, args.eval_samples = "alexnet", 12, 500
+    args.name = args.name or time.strftime("compare-%Y%m%d-%H%M%S")
+    args.dgt_env = dict(item.split("=", 1) for item in args.dgt)
+    reason = available()
+    if reason:
+        print(f"benchmark skipped: the testbed {reason}")
+        return 0
+    os.makedirs(args.results_dir, exist_ok=True)
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    machine = (f"Machine: {os.cpu_count()} cores, "
+               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+               f"Python {sys.version.split()[0]}.")
+    rows = []
+    nodes = ["server"] + [f"worker{r}" for r in range(args.workers)]
+    with Testbed(nodes, rate_mbit=args.rate) as bed:
+        for model in args.models.split(","):
+            compute = measure_compute(model, args.batch_size)
+            print(f"{model}: compute {fmt(compute)} s/step (one process, no communication)",
+                  flush=True)
+            for system in args.systems.split(","):
+                rows.append(run_one(system, model, bed, args, compute))
+    for path in write_reports(rows, args, machine):
+        print("wrote", os.path.relpath(path, ROOT))
+    print(markdown(rows, args, machine))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The benchmark's CSV / Markdown / PNG writer, on a small recorded run."""
+import argparse
+import csv
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from benchmarks.compare import COLUMNS, Row, markdown, summarise_curve, write_reports  # noqa: E402
+
+
+def recorded_curve(path, step_s, accuracy_at):
+    lines = [{"event": "start", "model": "alexnet"}]
+    for step in range(1, 11):
+        lines.append({"event": "step", "step": step, "train_time_s": step * step_s,
+                      "time_s": step * step_s, "loss": 2.0})
+        if step % 5 == 0:
+            lines.append({"event": "eval", "step": step, "train_time_s": step * step_s,
+                          "time_s": step * step_s, "accuracy": accuracy_at[step]})
+    lines.append({"event": "summary", "steps": 10, "udp_loss_rate": 0.25})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_summarise_curve_measures_steps_and_time_to_target(tmp_path):
+    curve = tmp_path / "c.jsonl"
+    recorded_curve(curve, 0.5, {5: 0.4, 10: 0.7})
+    out = summarise_curve(str(curve), target=0.6, warmup=3)
+    assert out["step_time_s"] == pytest.approx(0.5) and out["step_time_p90_s"] == pytest.approx(0.5)
+    assert out["time_to_target_s"] == pytest.approx(5.0) and out["final_accuracy"] == 0.7
+    assert out["udp_loss_rate"] == 0.25
+    assert summarise_curve(str(curve), target=0.9, warmup=3)["time_to_target_s"] is None
+
+
+def test_reports_are_written_with_every_column(tmp_path):
+    args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
+                              results_dir=str(tmp_path))
+    recorded_curve(tmp_path / "t-alexnet-dgt.jsonl", 0.4, {5: 0.5, 10: 0.8})
+    recorded_curve(tmp_path / "t-alexnet-dist_sync.jsonl", 0.8, {5: 0.5, 10: 0.8})
+    rows = [Row("dgt", "alexnet", 2, 1000.0, 10, 0.4, 0.45, 160.0, 150e6, 0.1, 2.0, 0.8, 0.2,
+                1.2),
+            Row("dist_sync", "alexnet", 2, 1000.0, 10, 0.8, 0.9, 80.0, 320e6, None, 4.0, 0.8,
+                0.2, 2.6),
+            Row("horovod", "alexnet", 2, 1000.0, status="not installed")]
+    paths = write_reports(rows, args, "Machine: test.")
+    with open(tmp_path / "t.csv") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == list(COLUMNS) and len(table) == 3
+    assert table[0]["system"] == "dgt" and float(table[0]["step_time_s"]) == 0.4
+    text = (tmp_path / "t.md").read_text()
+    assert "| alexnet | dgt | 0.400 | 0.450 | 0.50 |" in text  # ratio vs dist_sync
+    assert "not installed" in text and text == markdown(rows, args, "Machine: test.")
+    for name in ("t-step-time.png", "t-accuracy.png", "t-bytes.png"):
+        assert (tmp_path / name).stat().st_size > 1000 and str(tmp_path / name) in paths
