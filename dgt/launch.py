@@ -126,11 +126,12 @@ def _stop_all(children: List[_Child], grace_s: float = 5.0) -> None:
         child.reader.join(timeout=2.0)
 
 
-def _build_children(args, command: List[str]) -> List[_Child]:
+def _build_children(args, command: List[str], children: List[_Child]) -> None:
+    """Start every process, appending each to ``children`` at once, so that the caller can
+    stop those already started if a later one cannot start."""
     base = dict(os.environ)
     base["PYTHONUNBUFFERED"] = "1"
     host = args.host
-    children: List[_Child] = []
     if args.backend == "dgt":
         config = Config.from_env(base)  # validate every DGT_* setting before starting anything
         first = _free_port_block(host, args.servers) if args.port == 0 else args.port
@@ -147,7 +148,7 @@ def _build_children(args, command: List[str]) -> List[_Child]:
         for rank in range(args.workers):
             env = dict(base, **job, DGT_ROLE="worker", DGT_RANK=str(rank))
             children.append(_Child("worker", rank, command, env))
-        return children
+        return
     # MXNet's own parameter server (dist_sync and friends), for side-by-side comparisons.
     port = _free_port_block(host, 1) if args.port == 0 else args.port
     job = {"DMLC_PS_ROOT_URI": host, "DMLC_PS_ROOT_PORT": str(port),
@@ -164,7 +165,6 @@ def _build_children(args, command: List[str]) -> List[_Child]:
         env = dict(base, **job, DMLC_ROLE="worker", DGT_RANK=str(rank),
                    DGT_NUM_WORKERS=str(args.workers))
         children.append(_Child("worker", rank, command, env))
-    return children
 
 
 def supervise(children: List[_Child], timeout_s: float) -> int:
@@ -228,8 +228,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not 1 <= args.servers <= 256:
         parser.error(f"-s/--servers={args.servers} is out of range: allowed 1..256")
     children: List[_Child] = []
+
+    def terminate(signum, frame):  # a launcher killed by its own launcher stops its job too
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, terminate)
     try:
-        children = _build_children(args, command)
+        _build_children(args, command, children)
         return _supervise(children, args.timeout)
     except ConfigError as exc:
         _say(f"configuration error: {exc}")

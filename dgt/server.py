@@ -58,6 +58,12 @@ class _Optimizer:
     def wrap(self, value: np.ndarray):
         return self._mx.nd.from_numpy(value, zero_copy=True)
 
+    def get_states(self, dump_optimizer: bool) -> bytes:
+        return self._updater.get_states(dump_optimizer=dump_optimizer)
+
+    def set_states(self, blob: bytes) -> None:
+        self._updater.set_states(blob)  # trusted: a job member's own saved file, as in MXNet
+
     def update(self, key: int, weight, grad: np.ndarray) -> None:
         self._updater(key, self.wrap(np.ascontiguousarray(grad)), weight)
         weight.wait_to_read()
@@ -168,9 +174,15 @@ class Server:
         return len(self._byes) >= self.config.num_workers
 
     def _job_stalled(self) -> bool:
+        """True (after logging why) when nothing arrived for DGT_TIMEOUT_S although the job
+        is not over: no worker ever came, or a connected worker went silent."""
         idle = time.monotonic() - self._last_activity
-        if idle < self.config.timeout_s or not (self._rank_of and len(self._byes) < len(self._rank_of)):
+        if idle < self.config.timeout_s or len(self._byes) >= len(self._rank_of) > 0:
             return False
+        if not self._rank_of:
+            logger.error("server %d: no worker connected within %.0f s (DGT_TIMEOUT_S). "
+                         "Stopping.", self.config.server_index, idle)
+            return True
         logger.error("server %d: no message from any worker for %.0f s while workers are "
                      "connected (DGT_TIMEOUT_S); a worker probably died. Stopping.",
                      self.config.server_index, idle)
@@ -288,6 +300,18 @@ class Server:
                              for key, value in self._values.items()}
             logger.info("server %d runs the optimizer from now on", self.config.server_index)
             self._send(rank, header._replace(type=MsgType.ACK))
+        elif mtype in (MsgType.GET_STATES, MsgType.SET_STATES):
+            if self._optimizer is None:
+                raise RemoteProtocolError("no optimizer runs on this server (set_optimizer)")
+            if mtype is MsgType.GET_STATES:
+                blob = self._optimizer.get_states(bool(header.flags & 1))
+                self._send(rank, header._replace(type=MsgType.VALUE, dtype=dtype_code(np.uint8),
+                                                 n_elems=len(blob)), blob)
+            else:
+                if len(frames) != 2:
+                    raise RemoteProtocolError("SET_STATES needs exactly one payload frame")
+                self._optimizer.set_states(frames[1].bytes)
+                self._send(rank, header._replace(type=MsgType.ACK))
         elif mtype is MsgType.BARRIER:
             self._barrier[rank] = header.step
             if len(self._barrier) == self.config.num_workers:

@@ -24,6 +24,9 @@ INIT           [payload...]                           broadcast/init; rank 0 car
 VALUE          payload...                             the stored value (answer to INIT / PULL)
 PULL           --                                     ask for the stored value of (key, part)
 SET_OPTIMIZER  pickled optimizer                      server-side update from now on
+GET_STATES     --                                     the server-side optimizer's states (VALUE,
+                                                       raw bytes; flags 1 = with the optimizer)
+SET_STATES     states                                 replace them (ACK)
 BARRIER        --                                     answered (ACK) when every worker has sent one
 ACK            --                                     generic acknowledgement
 BYE            --                                     worker leaves
@@ -81,6 +84,8 @@ class MsgType(enum.IntEnum):
     BYE = 12
     ERROR = 13
     PUSH_END = 14
+    GET_STATES = 15
+    SET_STATES = 16
 
 
 class Header(NamedTuple):

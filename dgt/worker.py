@@ -106,6 +106,7 @@ class _Inflight:
     layout: Optional[FragmentLayout] = None
     ident: Tuple[int, int] = (0, 0)
     stats: Optional[StepStats] = None
+    blob: bytes = b""
 
 
 @dataclass
@@ -305,6 +306,33 @@ class Worker:
             for ack in acks:
                 ack.wait()
         self.barrier()
+
+    def get_optimizer_states(self, dump_optimizer: bool = False) -> List[bytes]:
+        """The server-side optimizer's states, one blob per server."""
+        self._check_usable()
+        blobs = []
+        for server in range(len(self._addrs)):
+            serial = next(self._serial)
+            pending = Pending(f"optimizer states of server {server}", None, 1,
+                              self.config.timeout_s)
+            entry = _Inflight(pending, Part(server, 0, 0, 0), time.time())
+            self._register(("value", 0, 0, serial), entry)
+            header = self._header(MsgType.GET_STATES, 0, None, serial)
+            self._send(server, [encode_header(header._replace(flags=int(dump_optimizer)))])
+            pending.wait()
+            blobs.append(entry.blob)
+        return blobs
+
+    def set_optimizer_states(self, blobs: List[bytes]) -> None:
+        """Replace the server-side optimizer's states (as :meth:`get_optimizer_states` gave)."""
+        self._check_usable()
+        if len(blobs) != len(self._addrs):
+            raise LocalProtocolError(f"the states are for {len(blobs)} server(s), this job has "
+                                     f"{len(self._addrs)}")
+        acks = [self._request(server, MsgType.SET_STATES, [blob], "set optimizer states")
+                for server, blob in enumerate(blobs)]
+        for ack in acks:
+            ack.wait()
 
     def barrier(self) -> None:
         """Return when every worker has called barrier (server 0 counts)."""
@@ -627,7 +655,10 @@ class Worker:
         elif mtype is MsgType.VALUE:
             entry = self._pop(("value", header.key, header.part, header.step))
             if entry is not None:
-                self._fill(entry, header, frames[1:])
+                if entry.pending.result is None:  # raw bytes (optimizer states)
+                    entry.blob = b"".join(f.bytes for f in frames[1:])
+                else:
+                    self._fill(entry, header, frames[1:])
                 entry.pending._part_done()
         elif mtype in (MsgType.ACK, MsgType.WELCOME):
             entry = self._pop(("ack", 0, 0, header.step))

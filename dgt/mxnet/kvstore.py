@@ -21,6 +21,7 @@ import itertools
 import logging
 import pickle
 import threading
+import types
 from typing import Dict, Optional
 
 import mxnet as mx
@@ -289,13 +290,30 @@ class DGT(KVStoreBase):
         self.barrier()
 
     def save_optimizer_states(self, fname, dump_optimizer=False):
-        raise LocalProtocolError(
-            "the optimizer states live on the dgt servers and cannot be saved from a worker "
-            "yet (as with MXNet's dist_sync); train with update_on_kvstore=False to keep them "
-            "local, where Trainer.save_states works")
+        """Save the server-side optimizer's states (momentum, ...) to ``fname``.
+
+        Unlike ``dist_sync``, which cannot, dgt fetches them from every server."""
+        self._raise_pending_error()
+        mx.nd.waitall()
+        blobs = self._worker.get_optimizer_states(dump_optimizer)
+        with open(fname, "wb") as f:
+            pickle.dump({"dgt_optimizer_states": blobs}, f)
 
     def load_optimizer_states(self, fname):
-        self.save_optimizer_states(fname)
+        """Load states saved by :meth:`save_optimizer_states` into the servers.  Call it on
+        every worker, or on one before training starts (loading is idempotent)."""
+        self._raise_pending_error()
+        with open(fname, "rb") as f:
+            saved = pickle.load(f)  # the user's own file, as MXNet's loaders do
+        if not isinstance(saved, dict) or "dgt_optimizer_states" not in saved:
+            raise LocalProtocolError(f"{fname} was not written by dgt's save_optimizer_states")
+        blobs = saved["dgt_optimizer_states"]
+        self._worker.set_optimizer_states(blobs)
+        states = pickle.loads(blobs[0])
+        if isinstance(states, tuple) and len(states) == 2:
+            self._optimizer = states[1]
+        # gluon.Trainer.load_states reads the optimizer back from here.
+        self._updater = types.SimpleNamespace(optimizer=self._optimizer)
 
     def report_loss(self, value: float) -> None:
         """Feed the training loss to the adaptive threshold (see :func:`dgt.report_loss`)."""

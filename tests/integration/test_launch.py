@@ -51,9 +51,45 @@ def test_launch_rejects_bad_settings_before_starting():
     assert "[worker" not in proc.stdout
 
 
-def test_launch_reports_a_missing_command():
-    proc = launch("-n", "1", "no-such-command-dgt")
+def processes_of_job(job_id):
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"DGT_JOB_ID={job_id}".encode() in f.read().split(b"\0"):
+                    found.append(pid)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_launch_reports_a_missing_command_and_leaves_no_server_behind():
+    proc = launch("-n", "1", "no-such-command-dgt", env={"DGT_JOB_ID": "987001"})
     assert proc.returncode == 127 and "cannot start the command" in proc.stdout
+    time.sleep(0.5)
+    assert processes_of_job(987001) == []
+
+
+def test_a_killed_launcher_stops_its_job():
+    full_env = dict(os.environ, DGT_JOB_ID="987002")
+    launcher = subprocess.Popen([sys.executable, "-m", "dgt.launch", "-n", "2", sys.executable,
+                                 "-c", "import time; time.sleep(120)"], env=full_env,
+                                stdout=subprocess.DEVNULL)
+    time.sleep(3)
+    assert len(processes_of_job(987002)) >= 4  # launcher, server, 2 workers
+    launcher.terminate()
+    launcher.wait(timeout=30)
+    time.sleep(0.5)
+    assert processes_of_job(987002) == []
+
+
+def test_a_server_nobody_joins_gives_up_after_the_timeout():
+    env = dict(os.environ, DGT_ROLE="server", DGT_TIMEOUT_S="1", DGT_SERVER_ADDRS="127.0.0.1:0")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dgt.server"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 1 and "no worker connected" in proc.stderr
+    assert time.monotonic() - start < 20
 
 
 def test_launch_timeout_stops_a_hung_job():

@@ -66,7 +66,7 @@ def test_string_keys_push_pull_init(store):
 def test_unsupported_features_fail_clearly(store):
     with pytest.raises(LocalProtocolError, match="gradient compression"):
         store.set_gradient_compression({"type": "2bit"})
-    with pytest.raises(LocalProtocolError, match="optimizer states live on the dgt servers"):
+    with pytest.raises(dgt.RemoteProtocolError, match="no optimizer runs on this server"):
         store.save_optimizer_states("x")
 
 

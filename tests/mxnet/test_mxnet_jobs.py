@@ -51,3 +51,13 @@ def test_module_fit_with_differential_transmission_keeps_replicas_identical(tmp_
                          env={"DGT_THRESHOLD": "0.3", "DGT_BLOCK_ELEMS": "256",
                               "DGT_UDP_DROP": "0.2"})
     np.testing.assert_array_equal(d0, d1)
+
+
+def test_trainer_states_saved_from_the_servers_resume_training_exactly(tmp_path):
+    _, (straight, _) = launch("gluon_job.py", tmp_path, "dgt", "--steps", "10")
+    states = str(tmp_path / "ckpt")
+    launch("gluon_job.py", tmp_path, "dgt", "--steps", "5", "--states", states)
+    _, (resumed, other) = launch("gluon_job.py", tmp_path, "dgt", "--steps", "10",
+                                 "--first-step", "5", "--states", states)
+    np.testing.assert_array_equal(resumed, other)
+    np.testing.assert_allclose(resumed, straight, rtol=1e-6, atol=1e-7)

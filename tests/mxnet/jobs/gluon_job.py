@@ -15,6 +15,8 @@ parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--update-on-kvstore", choices=("auto", "0", "1"), default="auto")
 parser.add_argument("--report-loss", action="store_true")
+parser.add_argument("--first-step", type=int, default=0, help="resume: load --states first")
+parser.add_argument("--states", default="", help="trainer states + parameters file prefix")
 args = parser.parse_args()
 
 mx.random.seed(7)
@@ -30,9 +32,12 @@ trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "mo
                         kvstore=args.kvstore, update_on_kvstore=uok)
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 rank = int(os.environ.get("DGT_RANK", "0"))
-rng = np.random.RandomState(100 + rank)  # every worker sees different data
 batch = 16
-for step in range(args.steps):
+if args.first_step:
+    net.load_parameters(args.states + ".params", ctx=contexts)
+    trainer.load_states(args.states + ".states")
+for step in range(args.first_step, args.steps):
+    rng = np.random.RandomState(1000 * step + rank)  # every worker sees different data
     x = rng.randn(batch * args.devices, 200).astype(np.float32)
     y = rng.randint(0, 10, batch * args.devices)
     xs = gluon.utils.split_and_load(x, contexts)
@@ -46,6 +51,9 @@ for step in range(args.steps):
         trainer._kvstore.report_loss(float(sum(l.mean().asscalar() for l in losses)))
 
 kv = trainer._kvstore
+if args.states and not args.first_step and kv.rank == 0:
+    net.save_parameters(args.states + ".params")
+    trainer.save_states(args.states + ".states")
 assert kv is not None, "the kvstore was dropped: training ran locally"
 params = net.collect_params()
 weights = np.concatenate([params[name].data(contexts[-1]).asnumpy().ravel()
