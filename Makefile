@@ -36,7 +36,7 @@ dataset:
 demo: setup dataset
 	mkdir -p $(DEMO_DIR)
 	$(PY) examples/launch.py -n 2 -- $(PY) examples/train_alexnet.py --kvstore dgt \
-	  --dataset fashion-mnist --max-steps $(DEMO_STEPS) --eval-samples 2000 \
+	  --dataset fashion-mnist --max-steps $(DEMO_STEPS) --eval-samples 2000 --eval-every 50 \
 	  --log $(DEMO_DIR)/curve-{model}-{kvstore}.jsonl
 	$(PY) -m dgt.plot $(DEMO_DIR)/curve-alexnet-dgt.jsonl -o $(DEMO_DIR)/plots
 	@echo "plots are in $(DEMO_DIR)/plots"

@@ -100,6 +100,10 @@ KNOBS: Tuple[Knob, ...] = (
          _in(1024, 2 ** 31 - 1),
          "Tensors at least this large are sliced across all servers (as "
          "MXNET_KVSTORE_BIGARRAY_BOUND); smaller ones go whole to one server.", "worker"),
+    Knob("part_elems", "DGT_PART_ELEMS", int, 1 << 20, "0 or 1024..2**31-1",
+         lambda v: v == 0 or 1024 <= v < 2 ** 31,
+         "Tensors larger than this many elements are cut into parts merged and answered "
+         "independently, so a big tensor's push and reply overlap (0: never cut).", "worker"),
     Knob("timeout_s", "DGT_TIMEOUT_S", float, 300.0, "1..86400", _in(1.0, 86400.0),
          "Longest wait for any reply or peer before failing with a clear error.", "all"),
     Knob("log_level", "DGT_LOG_LEVEL", str, "INFO", "DEBUG|INFO|WARNING|ERROR",
@@ -191,6 +195,7 @@ class Config:
     udp_drop: float = 0.0
     seed: int = 0
     bigarray_elems: int = 1_000_000
+    part_elems: int = 1 << 20
     timeout_s: float = 300.0
     log_level: str = "INFO"
     stats: str = ""

@@ -2,10 +2,12 @@
 
 Invariants (pure numpy, no I/O):
 
-* A *part* is the slice of a key's flattened tensor that one server owns.  Tensors with at
-  least ``bigarray_elems`` elements are cut in ``num_servers`` near-equal parts (part i on
-  server i); smaller ones go whole to server ``(key * 9973) % num_servers`` -- the rule MXNet's
-  ``dist_sync`` uses, so load spreads the same way.
+* A *part* is a slice of a key's flattened tensor, merged and answered on its own by one
+  server.  Tensors larger than ``part_elems`` are cut in near-equal parts so that pushes and
+  replies of one big tensor pipeline (P3 and BytePS slice for the same reason).  Tensors of at
+  least ``bigarray_elems`` elements are spread over all servers (part i on server i mod S);
+  smaller ones live on server ``(key * 9973) % num_servers`` -- the rule MXNet's ``dist_sync``
+  uses, so load spreads the same way.
 * A *block* is a contiguous run of ``block_elems`` elements of a part; the last block may be
   shorter.  Blocks are the unit of scoring and of channel choice.
 * A *fragment* is the piece of a block that fits one UDP datagram.  Every full block has
@@ -56,12 +58,22 @@ def fragment_elems(block_elems: int, itemsize: int, payload_bytes: int) -> int:
     return most
 
 
-def plan_parts(n_elems: int, key_id: int, num_servers: int, bigarray_elems: int) -> List[Part]:
-    """Split one key over the servers (see the module docstring)."""
-    if num_servers <= 1 or n_elems < bigarray_elems:
-        return [Part((key_id * 9973) % max(num_servers, 1), 0, 0, n_elems)]
-    bounds = [n_elems * i // num_servers for i in range(num_servers + 1)]
-    return [Part(i, i, bounds[i], bounds[i + 1]) for i in range(num_servers)]
+def plan_parts(n_elems: int, key_id: int, num_servers: int, bigarray_elems: int,
+               part_elems: int = 0) -> List[Part]:
+    """Cut one key into parts (see the module docstring).
+
+    Parts hold at most ``part_elems`` elements (0: no limit), so that the push of one part
+    and the reply of an earlier one use both directions of a link at once; tensors of at least
+    ``bigarray_elems`` are also spread over all servers, round-robin."""
+    count = _ceil_div(n_elems, part_elems) if part_elems > 0 else 1
+    spread = num_servers > 1 and n_elems >= bigarray_elems
+    if spread:
+        count = max(count, num_servers)
+    count = max(1, min(count, n_elems, 65535))
+    bounds = [n_elems * i // count for i in range(count + 1)]
+    home = (key_id * 9973) % max(num_servers, 1)
+    return [Part(i % num_servers if spread else home, i, bounds[i], bounds[i + 1])
+            for i in range(count)]
 
 
 @dataclass(frozen=True)

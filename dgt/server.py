@@ -43,29 +43,46 @@ _UDP_BATCHES_PER_TURN = 16  # batches of datagrams read per loop turn, so a floo
 class _Optimizer:
     """The MXNet optimizer a worker sent, applied as ``dist_sync``'s server does.
 
+    One updater per part index: the parts of a sliced tensor keep separate states (momentum)
+    while every part is updated under the key's own index, which the optimizer maps to the
+    parameter's name for its per-parameter learning-rate and weight-decay multipliers.
     Weights are NDArrays sharing memory with the numpy arrays the server replies with, and
     gradients are wrapped the same way, so an update copies no tensor in Python.
     """
 
     def __init__(self, blob: bytes):
         mx = _import_mxnet()
-        import pickle
-
-        optimizer = pickle.loads(blob)  # trusted: comes from a job member over TCP, as in MXNet
         self._mx = mx
-        self._updater = mx.optimizer.get_updater(optimizer)
+        self._blob = blob
+        self._updaters: Dict[int, object] = {}
+
+    def _updater(self, part: int):
+        updater = self._updaters.get(part)
+        if updater is None:
+            import pickle
+
+            # trusted: comes from a job member over TCP, as in MXNet's dist_sync
+            updater = self._mx.optimizer.get_updater(pickle.loads(self._blob))
+            self._updaters[part] = updater
+        return updater
 
     def wrap(self, value: np.ndarray):
         return self._mx.nd.from_numpy(value, zero_copy=True)
 
     def get_states(self, dump_optimizer: bool) -> bytes:
-        return self._updater.get_states(dump_optimizer=dump_optimizer)
+        import pickle
+
+        return pickle.dumps({part: updater.get_states(dump_optimizer=dump_optimizer)
+                             for part, updater in self._updaters.items()})
 
     def set_states(self, blob: bytes) -> None:
-        self._updater.set_states(blob)  # trusted: a job member's own saved file, as in MXNet
+        import pickle
 
-    def update(self, key: int, weight, grad: np.ndarray) -> None:
-        self._updater(key, self.wrap(np.ascontiguousarray(grad)), weight)
+        for part, states in pickle.loads(blob).items():  # trusted: the job's own saved file
+            self._updater(part).set_states(states)
+
+    def update(self, key: int, part: int, weight, grad: np.ndarray) -> None:
+        self._updater(part)(key, self.wrap(np.ascontiguousarray(grad)), weight)
         weight.wait_to_read()
 
 
@@ -414,7 +431,7 @@ class Server:
         key = (closed.key, closed.part)
         flags = 0
         if self._optimizer is not None:
-            self._optimizer.update(closed.key, self._weights[key], closed.merged)
+            self._optimizer.update(closed.key, closed.part, self._weights[key], closed.merged)
             payload = self._values[key]
             flags |= FLAG_WEIGHTS
         else:

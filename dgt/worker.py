@@ -508,7 +508,7 @@ class Worker:
                 plan = self._keys.get(key)
                 if plan is None:
                     parts = plan_parts(flat.size, key, len(self._addrs),
-                                       self.config.bigarray_elems)
+                                       self.config.bigarray_elems, self.config.part_elems)
                     plan = _KeyPlan(flat.size, flat.dtype, parts, [0] * len(parts))
                     self._keys[key] = plan
         elif plan.n_elems != flat.size or plan.dtype != flat.dtype:

@@ -155,9 +155,19 @@ def train(model: str, argv=None) -> dict:
     # forward before the first step trips MXNet's MKLDNN layout in dist_sync).
     with autograd.record():
         net(prepare(dataset.train_x[shard[:2]], size, ctx))
-    if args.algo == "bsp":
-        trainer = gluon.Trainer(net.collect_params(), "sgd", optimizer_params, kvstore=kv,
-                                compression_params=compression)
+    manual_push_pull = compression is not None
+    if args.algo == "bsp" and not manual_push_pull:
+        trainer = gluon.Trainer(net.collect_params(), "sgd", optimizer_params, kvstore=kv)
+    elif args.algo == "bsp":
+        # MXNet 1.9.1 refuses compression with pushpull ("Compression not supported with
+        # PushPull"), which Trainer uses; push + pull per key work, so sum the gradients that
+        # way and update locally (the same arithmetic as dist_sync with update_on_kvstore=0).
+        kv.set_gradient_compression(compression)
+        trainer = gluon.Trainer(net.collect_params(), "sgd", optimizer_params, kvstore=None)
+        grad_params = [p for _, p in sorted(net.collect_params().items())
+                       if p.grad_req != "null"]
+        for index, param in enumerate(grad_params):
+            kv.init(index, mx.nd.zeros(param.shape, ctx=ctx))
     else:
         trainer = gluon.Trainer(net.collect_params(), "sgd", optimizer_params, kvstore=None)
         params = [p for _, p in sorted(net.collect_params().items())]
@@ -202,6 +212,10 @@ def train(model: str, argv=None) -> dict:
             with autograd.record():
                 loss = loss_fn(net(x), y)
             loss.backward()
+            if args.algo == "bsp" and manual_push_pull:
+                for index, param in enumerate(grad_params):
+                    kv.push(index, param.grad(), priority=-index)
+                    kv.pull(index, out=param.grad(), priority=-index)
             trainer.step(args.batch_size)
             step += 1
             if args.algo == "fedavg" and kv is not None and step % args.local_steps == 0:

@@ -309,7 +309,9 @@ class DGT(KVStoreBase):
             raise LocalProtocolError(f"{fname} was not written by dgt's save_optimizer_states")
         blobs = saved["dgt_optimizer_states"]
         self._worker.set_optimizer_states(blobs)
-        states = pickle.loads(blobs[0])
+        per_part = pickle.loads(blobs[0])
+        states = next(iter(per_part.values()), None)
+        states = pickle.loads(states) if states is not None else None
         if isinstance(states, tuple) and len(states) == 2:
             self._optimizer = states[1]
         # gluon.Trainer.load_states reads the optimizer back from here.

@@ -116,6 +116,19 @@ def test_two_servers_slice_big_tensors_and_shard_small_ones(make_job):
     assert all(s.server.counters["steps_closed"] > 0 for s in servers)
 
 
+def test_big_tensors_cut_into_parts_on_one_server_sum_exactly(make_job):
+    config, servers = make_job(3, part_elems=4096, threshold=0.3, adaptive=False, grace_ms=5000)
+
+    def body(worker):
+        return [worker.pushpull(0, np.full(50_001, worker.rank + 1, np.float16)).wait().copy()
+                for _ in range(2)]
+
+    results = run_workers(config, body, 3)
+    for rank in range(3):
+        assert all((r == 6).all() for r in results[rank])
+    assert servers[0].server.counters["steps_closed"] == 2 * 13  # 13 parts, 2 steps
+
+
 def test_broadcast_init_and_pull(make_job):
     config, _ = make_job(2, grace_ms=1000)
 

@@ -70,6 +70,13 @@ def test_plan_parts_shards_small_and_slices_big_tensors():
     assert [(p.server, p.start, p.stop) for p in parts] == [(0, 0, 333), (1, 333, 667),
                                                            (2, 667, 1001)]
     assert plan_parts(5, 0, 1, 1)[0].n_elems == 5
+    # part_elems cuts big tensors for pipelining; with one server every part stays home
+    cut = plan_parts(2500, key_id=1, num_servers=1, bigarray_elems=10**6, part_elems=1000)
+    assert [(p.server, p.index, p.start, p.stop) for p in cut] == [
+        (0, 0, 0, 833), (0, 1, 833, 1666), (0, 2, 1666, 2500)]
+    spread = plan_parts(5000, key_id=1, num_servers=2, bigarray_elems=1000, part_elems=1000)
+    assert [p.server for p in spread] == [0, 1, 0, 1, 0]
+    assert sum(p.n_elems for p in spread) == 5000
 
 
 def test_slot_ranges_match_frag_range():
