@@ -11,14 +11,15 @@ server's incast builds up) with HTB at ``rate_mbit``:
 * one class per priority level, matched with ``u32`` on the IP precedence bits of the TOS byte
   that dgt sets per channel (``IP_TOS``, no privilege needed): the reliable channel (precedence
   C) gets the highest HTB priority and a long queue; UDP channel i (precedence C - i) gets
-  priority i and a short ``pfifo`` (``low_queue_packets``), so under congestion the kernel drops
+  priority i and a short queue (``low_queue_packets`` full frames, as a byte-limited ``bfifo``,
+  since senders hand the kernel 64 KB GSO/TSO super-packets), so under congestion the kernel drops
   there -- real loss, as in a switch with priority queues;
 * everything else (precedence 0: ARP, MXNet's and Horovod's unmarked TCP) lands in the lowest
   class, which still gets the whole link when it is alone.
 
 Set-up and teardown are one context manager; teardown always runs (``finally`` and SIGTERM/
 SIGINT) and deletes the namespaces and the bridge, which takes the veths and qdiscs with them.
-The kernel needs htb, pfifo and u32 (no netem, no prio: they are not everywhere).
+The kernel needs htb, bfifo and u32 (no netem, no prio: they are not everywhere).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 __all__ = ["Testbed", "available", "TestbedUnavailable"]
+
+MTU_FRAME_BYTES = 1514
 
 
 class TestbedUnavailable(RuntimeError):
@@ -66,11 +69,11 @@ def available() -> Optional[str]:
         _run("ip", "netns", "exec", name, "tc", "class", "add", "dev", "lo", "parent", "1:",
              "classid", "1:10", "htb", "rate", "1mbit")
         _run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "parent", "1:10",
-             "pfifo", "limit", "10")
+             "bfifo", "limit", "15140")
         _run("ip", "netns", "exec", name, "tc", "filter", "add", "dev", "lo", "parent", "1:",
              "protocol", "ip", "u32", "match", "ip", "tos", "0x00", "0xe0", "flowid", "1:10")
     except RuntimeError as exc:
-        return f"the kernel lacks htb, pfifo or u32: {exc}"
+        return f"the kernel lacks htb, bfifo or u32: {exc}"
     finally:
         _run("ip", "netns", "del", name, check=False)
     return None
@@ -79,6 +82,8 @@ def available() -> Optional[str]:
 @dataclass
 class Testbed:
     """A star of ``nodes`` (names) around one bridge, every link shaped to ``rate_mbit``."""
+
+    __test__ = False  # not a pytest test class, despite its name
 
     nodes: List[str]
     rate_mbit: float = 1000.0
@@ -163,9 +168,11 @@ class Testbed:
             assured = rate if level == 0 else "1mbit"
             _run(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", classid, "htb",
                  "rate", assured, "ceil", rate, "prio", str(min(level, 7)))
+            # A byte limit, not a packet one: senders hand the kernel GSO/TSO super-packets of
+            # up to 64 KB, and a packet-counted queue would hold 40x more data than intended.
             queue = self.high_queue_packets if level == 0 else self.low_queue_packets
             _run(*tc, "qdisc", "add", "dev", dev, "parent", classid, "handle", f"{20 + level}:",
-                 "pfifo", "limit", str(queue))
+                 "bfifo", "limit", str(queue * MTU_FRAME_BYTES))
             _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
                  "u32", "match", "ip", "tos", f"{precedence << 5:#04x}", "0xe0",
                  "flowid", classid)
