@@ -1,0 +1,130 @@
+"""dgt's own per-step CPU cost, without the network: scoring, classification, framing, merging.
+
+    python benchmarks/overhead.py [--model alexnet] [--workers 2] [--repeat 5]
+
+Takes the parameter shapes of a model, makes random gradients, and times the pure steps a
+worker runs per push (error feedback, block scores, channel choice, gathering the reliable
+blocks, building the datagram rows) and the ones the server runs per step (merging the reliable
+parts and the datagrams of every worker, closing the step).  Sockets are left out: this is the
+part of a step that dgt adds on top of moving the bytes, to compare with the measured step time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dgt.config import Config  # noqa: E402
+from dgt.memory import ResidualMemory  # noqa: E402
+from dgt.merge import StepMerger  # noqa: E402
+from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
+from dgt.policy import assign_channels  # noqa: E402
+from dgt.scoring import ContributionState, score_blocks  # noqa: E402
+from dgt.wire import HEADER_BYTES, Header, MsgType, chunk_elems, data_headers  # noqa: E402
+
+
+def model_shapes(name: str):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "examples"))
+    import mxnet as mx
+    from models import INPUT_SIZE, get_model
+
+    net = get_model(name)
+    net.initialize()
+    size = INPUT_SIZE[name]
+    net(mx.nd.zeros((1, 1, size, size)))
+    return [p.shape for _, p in sorted(net.collect_params().items())]
+
+
+def one_step(config, shapes, grads, states, merger, step, rank_count):
+    worker_s = server_s = 0.0
+    for key, grad in enumerate(grads):
+        for part in plan_parts(grad.size, key, 1, config.bigarray_elems, config.part_elems):
+            values = grad[part.start:part.stop]
+            blocks = BlockLayout(part.n_elems, config.block_elems)
+            fe = fragment_elems(config.block_elems, 4, config.udp_payload_bytes)
+            layout = FragmentLayout(blocks, fe)
+            pushes = []
+            began = time.perf_counter()
+            for rank in range(rank_count):
+                memory, scores = states[rank]
+                compensated = memory.compensate((key, part.index), values)
+                if blocks.n_blocks > 1:
+                    s = score_blocks(scores, (key, part.index), blocks, compensated)
+                    channels = assign_channels(s, config.threshold, config.udp_channels)
+                else:
+                    channels = np.zeros(1, dtype=np.uint8)
+                reliable = np.flatnonzero(channels == 0)
+                payload = blocks.gather(compensated, reliable)
+                udp = np.flatnonzero(channels)
+                slots = layout.slots_of_blocks(udp)
+                block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
+                base = Header(MsgType.DATA, rank=rank, dtype=1, key=key, part=part.index,
+                              step=step, n_elems=part.n_elems, block_elems=config.block_elems,
+                              frag_elems=fe)
+                headers = data_headers(base, channels[block_ids], block_ids, frag_ids)
+                starts, stops = layout.slot_ranges(slots)
+                rows = np.zeros((len(slots), fe), np.float32)
+                whole = (stops - starts) == fe
+                n_rows = compensated.size // fe
+                rows[whole] = compensated[:n_rows * fe].reshape(n_rows, fe)[starts[whole] // fe]
+                staging = np.empty((len(slots), HEADER_BYTES + fe * 4), np.uint8)
+                staging[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(len(slots), HEADER_BYTES)
+                staging[:, HEADER_BYTES:] = rows.view(np.uint8)
+                pushes.append((reliable, payload, block_ids, frag_ids, rows, stops - starts))
+            worker_s += (time.perf_counter() - began) / rank_count
+            began = time.perf_counter()
+            for rank, (reliable, payload, block_ids, frag_ids, rows, lengths) in enumerate(pushes):
+                header = Header(MsgType.PUSH, rank=rank, dtype=1, key=key, part=part.index,
+                                step=step, n_elems=part.n_elems, block_elems=config.block_elems,
+                                frag_elems=fe, block=len(reliable), udp_expected=len(block_ids))
+                groups = blocks.chunk_blocks(reliable, chunk_elems(4))
+                chunks, offset = [], 0
+                for group in groups:
+                    size = blocks.payload_elems(group)
+                    chunks.append(payload[offset:offset + size])
+                    offset += size
+                merger.add_push(header, reliable, chunks, 0.0)
+                if len(block_ids):
+                    merger.add_fragments(header._replace(type=MsgType.DATA), block_ids, frag_ids,
+                                         rows, lengths)
+                    merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
+            closed = merger.poll(0.0)
+            assert closed, "the step should close once everything arrived"
+            server_s += time.perf_counter() - began
+    return worker_s, server_s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="alexnet", choices=("alexnet", "vgg11", "googlenet"))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    config = Config()
+    shapes = model_shapes(args.model)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(int(np.prod(s))).astype(np.float32) for s in shapes]
+    states = [(ResidualMemory(), ContributionState(config.score_alpha))
+              for _ in range(args.workers)]
+    merger = StepMerger(args.workers, grace_s=0.0, error_feedback=True)
+    times = [one_step(config, shapes, grads, states, merger, step, args.workers)
+             for step in range(args.repeat + 1)][1:]
+    worker_ms = statistics.median(t[0] for t in times) * 1000
+    server_ms = statistics.median(t[1] for t in times) * 1000
+    params = sum(g.size for g in grads)
+    print(f"{args.model}: {params / 1e6:.1f} M parameters, k={config.threshold}, "
+          f"{args.workers} workers")
+    print(f"worker CPU per step (score, classify, frame): {worker_ms:7.1f} ms")
+    print(f"server CPU per step (merge {args.workers} workers, close): {server_ms:7.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
