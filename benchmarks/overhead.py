@@ -53,15 +53,18 @@ def one_step(config, shapes, grads, states, merger, step, rank_count):
             pushes = []
             began = time.perf_counter()
             for rank in range(rank_count):
-                memory, scores = states[rank]
+                memory, scores, scratch = states[rank]
+                buffers = scratch.setdefault((key, part.index), (
+                    np.empty(part.n_elems, np.float32), np.empty(part.n_elems, np.float32)))
                 compensated = memory.compensate((key, part.index), values)
                 if blocks.n_blocks > 1:
-                    s = score_blocks(scores, (key, part.index), blocks, compensated)
+                    s = score_blocks(scores, (key, part.index), blocks, compensated,
+                                     scratch=buffers[0])
                     channels = assign_channels(s, config.threshold, config.udp_channels)
                 else:
                     channels = np.zeros(1, dtype=np.uint8)
                 reliable = np.flatnonzero(channels == 0)
-                payload = blocks.gather(compensated, reliable)
+                payload = blocks.gather(compensated, reliable, out=buffers[1])
                 udp = np.flatnonzero(channels)
                 slots = layout.slots_of_blocks(udp)
                 block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
@@ -111,7 +114,7 @@ def main() -> int:
     shapes = model_shapes(args.model)
     rng = np.random.default_rng(0)
     grads = [rng.standard_normal(int(np.prod(s))).astype(np.float32) for s in shapes]
-    states = [(ResidualMemory(), ContributionState(config.score_alpha))
+    states = [(ResidualMemory(), ContributionState(config.score_alpha), {})
               for _ in range(args.workers)]
     merger = StepMerger(args.workers, grace_s=0.0, error_feedback=True)
     times = [one_step(config, shapes, grads, states, merger, step, args.workers)
