@@ -81,3 +81,30 @@ def test_random_bytes_only_ever_raise_remote_protocol_error(rng):
             decode_datagram(buf)
         except RemoteProtocolError:
             pass
+
+
+def test_vectorised_checks_agree_with_the_decoder(rng):
+    """check_datagrams (the server's batch path) accepts exactly what decode_datagram does."""
+    from dgt.wire import HEADER_DTYPE, check_datagrams
+
+    valid = datagram(data_header())
+    samples = [valid, datagram(data_header(block=0, frag=0)), datagram(data_header(dtype=2))]
+    for _ in range(3000):
+        buf = bytearray(valid)
+        for pos in rng.integers(0, HEADER_BYTES, size=rng.integers(1, 4)):
+            buf[pos] = rng.integers(0, 256)
+        samples.append(bytes(buf[:rng.integers(HEADER_BYTES, len(buf) + 1)]))
+    width = max(len(b) for b in samples)
+    rows = np.zeros((len(samples), width), np.uint8)
+    for i, b in enumerate(samples):
+        rows[i, :len(b)] = np.frombuffer(b, np.uint8)
+    headers = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER_DTYPE).reshape(-1)
+    batch = check_datagrams(headers, np.array([len(b) for b in samples]))
+    for ok, b in zip(batch, samples):
+        try:
+            decode_datagram(b)
+            expected = True
+        except RemoteProtocolError:
+            expected = False
+        assert ok == expected, b[:HEADER_BYTES].hex()
+    assert batch[:3].all() and not batch.all()
