@@ -78,7 +78,7 @@ KNOBS: Tuple[Knob, ...] = (
          "(Heuristic Dropping). diff: lost blocks are zero, a block one step late joins the "
          "next step (Diff-Reception). rescale: each block's sum is scaled by "
          "workers/deliverers (unbiased).", "server"),
-    Knob("error_feedback", "DGT_ERROR_FEEDBACK", bool, True, "0 or 1", None,
+    Knob("error_feedback", "DGT_ERROR_FEEDBACK", bool, False, "0 or 1", None,
          "1: the reply tells each worker which of its UDP blocks were not merged; the worker "
          "adds them to its next gradient, so nothing is lost for good. Needs "
          "DGT_RECEIVE_MODE=drop.", "all"),
@@ -188,7 +188,7 @@ class Config:
     random_order: bool = False
     send_drop: bool = False
     receive_mode: str = "drop"
-    error_feedback: bool = True
+    error_feedback: bool = False
     grace_ms: float = 10.0
     udp_payload_bytes: int = 1400
     udp_buffer_bytes: int = 16 << 20

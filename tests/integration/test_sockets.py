@@ -77,7 +77,7 @@ def test_seeded_loss_merges_exactly_the_surviving_blocks(make_job, mode, feedbac
 
 def test_error_feedback_loses_nothing_for_good(make_job):
     config, _ = make_job(3, threshold=0.3, threshold_min=0.1, adaptive=False, udp_drop=0.3,
-                         seed=3, grace_ms=50)
+                         seed=3, grace_ms=50, error_feedback=True)
     n, steps = 30_000, 6
 
     def body(worker):
