@@ -666,7 +666,6 @@ class Worker:
                 if mtype is MsgType.WELCOME:
                     if self.rank < 0:
                         self.rank = header.rank
-                        self.num_workers = max(self.num_workers, 1)
                     elif header.rank != self.rank:
                         entry.pending._fail(RemoteProtocolError(
                             f"server {server} gave rank {header.rank}, server 0 gave {self.rank}"))

@@ -217,3 +217,25 @@ def test_pushes_from_many_short_lived_threads_leak_nothing(make_job):
             thread.join()
             assert box["out"][0] == step
         assert len(os.listdir("/proc/self/fd")) <= fds_before + 5
+
+
+def test_server_zero_assigns_ranks_when_none_is_given(make_job):
+    import threading
+
+    config, _ = make_job(2, grace_ms=1000)
+    ranks, errors = [], []
+
+    def join():
+        try:
+            with Worker(config.replace(rank=-1)) as worker:
+                ranks.append(worker.rank)
+                worker.pushpull(0, np.ones(10, np.float32)).wait()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and sorted(ranks) == [0, 1]
