@@ -199,6 +199,7 @@ class DGT(KVStoreBase):
         self._key_ids: Dict[str, int] = {}
         self._pushed: Dict[int, Pending] = {}
         self._host_buffers: Dict[int, np.ndarray] = {}
+        self._staging_arrays: Dict[tuple, object] = {}
         self._error: Optional[BaseException] = None
         self._optimizer = None
         atexit.register(self.close)
@@ -245,9 +246,19 @@ class DGT(KVStoreBase):
                 _tickets[ticket_id] = _Ticket(self, key_id, self._worker.begin(key_id), len(outs))
             token = mx.nd.Custom(*values, op_type="dgt_push", ticket=str(ticket_id),
                                  num_inputs=str(len(values)))
-            for target in outs:
-                mx.nd.Custom(target, token, op_type="dgt_await", ticket=str(ticket_id),
-                             out=target)
+            if out is None:  # gradients: default layout, written in place
+                for target in outs:
+                    mx.nd.Custom(target, token, op_type="dgt_await", ticket=str(ticket_id),
+                                 out=target)
+                continue
+            # Weights may be in MKLDNN layout after an inference forward, and a custom operator
+            # cannot write those ("can't generate TBlob for MKLDNN data"): the reply lands in a
+            # staging array of ours, then an NDArray copy (which reorders) fills each target.
+            for index, target in enumerate(outs):
+                staging = self._staging(key_id, index, target)
+                mx.nd.Custom(staging, token, op_type="dgt_await", ticket=str(ticket_id),
+                             out=staging)
+                target[:] = staging
 
     def init(self, key, value):
         for k, v, _ in self._zip(key, value, value):
@@ -330,6 +341,15 @@ class DGT(KVStoreBase):
         self._worker.close()
 
     # -- helpers ------------------------------------------------------------------------------
+    def _staging(self, key_id: int, index: int, like):
+        """A default-layout NDArray per (key, output), reused every step (the engine orders
+        each step's write after the previous step's copy out of it)."""
+        staging = self._staging_arrays.get((key_id, index))
+        if staging is None or staging.shape != like.shape or staging.dtype != like.dtype:
+            staging = mx.nd.empty(like.shape, ctx=like.context, dtype=like.dtype)
+            self._staging_arrays[(key_id, index)] = staging
+        return staging
+
     def _host_buffer(self, key_id: int, like) -> np.ndarray:
         """The numpy buffer a key's gradient is copied into, reused every step: the worker
         is done with the previous step's copy once its reply arrived, which the engine

@@ -76,3 +76,33 @@ def test_string_kvstore_survives_mxnets_single_device_check():
     kv, _ = trainer._create_kvstore("local", 1, {})
     assert kv is None  # other strings keep MXNet's behaviour
     assert getattr(trainer._create_kvstore, "_dgt_wrapped", False)
+
+
+def test_server_side_update_survives_mkldnn_weights(store):
+    """After an inference forward, MKLDNN keeps conv weights in its own layout, which a custom
+    operator cannot write: the weights must still receive the server's update (found by
+    `make demo`, which evaluates between steps)."""
+    from mxnet import autograd, gluon
+
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(8, 3, in_channels=3), gluon.nn.Conv2D(8, 3, in_channels=8),
+            gluon.nn.Dense(4))
+    net.initialize()
+    net.hybridize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=store)
+    x = mx.nd.random.uniform(shape=(2, 3, 12, 12))
+    for _ in range(3):
+        with autograd.record():
+            loss = net(x).sum()
+        loss.backward()
+        trainer.step(2)
+        before = {n: p.data().asnumpy().copy() for n, p in net.collect_params().items()}
+        net(x).wait_to_read()  # inference forward: MKLDNN layouts
+    assert trainer._update_on_kvstore
+    with autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    trainer.step(2)
+    after = {n: p.data().asnumpy() for n, p in net.collect_params().items()}
+    assert all(np.isfinite(a).all() for a in after.values())
+    assert any(not np.array_equal(before[n], after[n]) for n in after)
