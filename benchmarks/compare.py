@@ -252,30 +252,31 @@ def plot(rows: List[Row], args) -> List[str]:
 
     results = args.results_dir
     written = []
+
+    def save(fig, suffix):
+        fig.tight_layout()
+        path = os.path.join(results, f"{args.name}-{suffix}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
     models = sorted({r.model for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r.model == model and r.step_time_s]
         ax.bar([r.system for r in mine], [r.step_time_s for r in mine], color="#4c72b0")
-        bounds = [r.lower_bound_s for r in mine]
-        ax.scatter([r.system for r in mine], bounds, color="black", marker="_", s=400,
-                   label="lower bound", zorder=3)
+        ax.scatter([r.system for r in mine], [r.lower_bound_s for r in mine], color="black",
+                   marker="_", s=400, label="lower bound", zorder=3)
         ax.set_title(f"{model}: step time")
         ax.set_ylabel("seconds")
         ax.tick_params(axis="x", rotation=30)
         ax.legend()
-    fig.tight_layout()
-    path = os.path.join(results, f"{args.name}-step-time.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "step-time")
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for r in rows:
-            if r.model != model:
-                continue
             curve = os.path.join(results, f"{args.name}-{model}-{r.system}.jsonl")
-            if not os.path.exists(curve):
+            if r.model != model or not os.path.exists(curve):
                 continue
             points = summarise_curve(curve, 0.0, 3)["accuracy_curve"]
             if points:
@@ -285,21 +286,13 @@ def plot(rows: List[Row], args) -> List[str]:
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    path = os.path.join(results, f"{args.name}-accuracy.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "accuracy")
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r.model}\n{r.system}" for r in rows if r.bytes_per_step]
     ax.bar(labels, [r.bytes_per_step / 1e6 for r in rows if r.bytes_per_step], color="#55a868")
     ax.set_ylabel("MB per step through the server link (both directions)")
     ax.tick_params(axis="x", rotation=45, labelsize=7)
-    fig.tight_layout()
-    path = os.path.join(results, f"{args.name}-bytes.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "bytes")
     return written
 
 
