@@ -6,9 +6,9 @@ Flow of one push, per server part (each step a plain function of :mod:`dgt.parti
     compensate (error feedback) -> score blocks -> assign channels
       -> reliable PUSH (TCP, first) -> UDP datagrams (channel 1 first) -> await REPLY
 
-Calls return a :class:`Pending` at once; the network work of different keys overlaps.  One
-I/O thread owns the ZeroMQ sockets (they are not thread-safe): callers, on any thread, hand it
-frames through a queue and it resolves pending results as replies arrive.  Every wait is bounded by
+Calls return a :class:`Pending` at once; the network work of different keys overlaps.
+:class:`dgt.transport.links.ServerLinks` moves the reliable messages on its own I/O thread, and
+this module resolves pending results as replies arrive.  Every wait is bounded by
 ``Config.timeout_s``.
 """
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
-import queue
 import threading
 import time
 import weakref
@@ -35,7 +33,7 @@ from .partition import BlockLayout, FragmentLayout, Part, fragment_elems, plan_p
 from .policy import AdaptiveThreshold, assign_channels
 from .scoring import ContributionState, score_blocks
 from .stats import JsonLinesSink, StepStats
-from .transport.priority import apply_zmq_priority
+from .transport.links import ServerLinks
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLOAT_CODES, HEADER_BYTES, NO_RANK, Header,
                    MsgType, chunk_elems, code_dtype, data_headers, decode_header, dtype_code,
@@ -159,13 +157,6 @@ class Worker:
                                      "the servers' real ports, not 0")
         self._addrs = addrs
         self._ctx = context or zmq.Context.instance()
-        # Any thread may send (MXNet runs pushes on its own operator threads, a new one per
-        # operator at times): frames go through a queue to the I/O thread, which owns every
-        # ZeroMQ socket; a pipe wakes it up.  No per-thread socket, so nothing accumulates.
-        self._outbox: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
         self._inflight: Dict[tuple, _Inflight] = {}
         self._inflight_lock = threading.Lock()
         self._fatal: Optional[BaseException] = None
@@ -195,17 +186,8 @@ class Worker:
         self.num_workers = config.num_workers
         self.counters = {"udp_send_errors": 0, "replies": 0}
 
-        self._dealers = []
-        for host, port in addrs:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 2000)
-            apply_zmq_priority(dealer, config.udp_channels)
-            dealer.setsockopt(zmq.SNDHWM, 0)
-            dealer.setsockopt(zmq.RCVHWM, 0)
-            dealer.connect(f"tcp://{host}:{port}")
-            self._dealers.append(dealer)
-        self._thread = threading.Thread(target=self._io_loop, name="dgt-worker-io", daemon=True)
-        self._thread.start()
+        self._links = ServerLinks(self._ctx, addrs, config.udp_channels, self._on_message,
+                                  self._expire, self._fail_all)
         self._hello()
         if config.stats:
             self._sink = JsonLinesSink(config.stats_path(self.rank))
@@ -355,15 +337,9 @@ class Worker:
         _ACTIVE.discard(self)
         with self._round_lock:
             self._finish_round()
-        try:
-            for server in range(len(self._addrs)):
-                self._send(server, [encode_header(self._header(MsgType.BYE, 0, None, 0))])
-            self._send(-1, [])  # stop marker, handled after the BYEs
-        except zmq.ZMQError:
-            pass
-        self._thread.join(timeout=5.0)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        for server in range(len(self._addrs)):
+            self._send(server, [encode_header(self._header(MsgType.BYE, 0, None, 0))])
+        self._links.close()  # the BYEs leave first
         self._udp.close()
         if self._sink is not None:
             self._sink.close()
@@ -552,13 +528,7 @@ class Worker:
             self._inflight[ident] = inflight
 
     def _send(self, server: int, frames: list) -> None:
-        """Queue ``frames`` for server ``server`` (-1 with no frames: stop the I/O thread).
-        Arrays are sent without a copy; they must stay unchanged until the reply."""
-        self._outbox.put((server, frames))
-        try:
-            os.write(self._wake_write, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups already
-            pass
+        self._links.send(server, frames)
 
     def _check_usable(self) -> None:
         if self._fatal is not None:
@@ -595,49 +565,7 @@ class Worker:
                 stats.blocks_per_channel[channel] += blocks
                 stats.bytes_per_channel[channel] += nbytes
 
-    # == I/O thread ===========================================================================
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_read, zmq.POLLIN)
-        for dealer in self._dealers:
-            poller.register(dealer, zmq.POLLIN)
-        stopping = False
-        next_check = time.monotonic() + 1.0
-        try:
-            while not stopping:
-                events = dict(poller.poll(200))
-                if self._wake_read in events:
-                    try:
-                        os.read(self._wake_read, 65536)
-                    except BlockingIOError:
-                        pass
-                while not stopping:
-                    try:
-                        target, frames = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if target < 0:
-                        stopping = True
-                    else:
-                        self._dealers[target].send_multipart(frames, copy=False)
-                for index, dealer in enumerate(self._dealers):
-                    if dealer in events:
-                        while True:
-                            try:
-                                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                            except zmq.Again:
-                                break
-                            self._on_message(index, frames)
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + 1.0
-                    self._expire(time.time())
-        except Exception as exc:  # noqa: BLE001 - reported to every waiter, then re-raised
-            logger.exception("dgt worker I/O thread failed")
-            self._fail_all(exc)
-        finally:
-            for dealer in self._dealers:
-                dealer.close()
-
+    # == replies (called on the I/O thread of ServerLinks) ====================================
     def _on_message(self, server: int, frames) -> None:
         try:
             header = decode_header(frames[0].buffer)
