@@ -246,60 +246,43 @@ class StepMerger:
             heapq.heappush(self._deadlines, (now + self.grace_s, *ident))
 
     def add_fragment(self, header: Header, payload, now: float) -> str:
-        """One decoded DATA datagram; returns its :class:`Outcome` (also counted)."""
-        outcome = self._add_fragment(header, payload)
-        self.counters[outcome] = self.counters.get(outcome, 0) + 1
-        return outcome
-
-    def _add_fragment(self, header: Header, payload) -> str:
-        rank = header.rank
-        if not 0 <= rank < self.num_workers:
-            return Outcome.STALE
-        state = self._part(header, create=header.step == 0)
-        if state is None:
-            return Outcome.MISMATCH if (header.key, header.part) in self._parts else Outcome.STALE
-        layout = state.layout
-        slot = header.block * layout.frags_per_block + header.frag
-        step = header.step
-        if step <= state.last_closed:
-            if self.receive_mode == "diff" and step == state.last_closed:
-                taken = state.closed_received
-                if taken is None or taken[rank, slot]:
-                    return Outcome.DUPLICATE
-                taken[rank, slot] = True
-                target = self._open(state, step + 1)
-                target.late_in[rank] += 1
-                self._add_values(target, layout, header, payload)
-                return Outcome.LATE_MERGED
-            state.late_dropped[rank] += 1
-            return Outcome.LATE_DROPPED
-        if step != state.last_closed + 1:
-            return Outcome.STALE
-        open_step = self._open(state, step)
-        if open_step.received[rank, slot] or open_step.reliable[rank, header.block]:
-            return Outcome.DUPLICATE
-        open_step.received[rank, slot] = True
-        self._add_values(open_step, layout, header, payload)
-        self._candidates.add((header.key, header.part, step))
-        return Outcome.MERGED
+        """One decoded DATA datagram; returns its :class:`Outcome` (also counted).  The
+        one-row form of :meth:`add_fragments`."""
+        values = np.frombuffer(payload, dtype=code_dtype(header.dtype))
+        outcomes = self.add_fragments(header, np.array([header.block], dtype=np.int64),
+                                      np.array([header.frag], dtype=np.int64),
+                                      values.reshape(1, -1), np.array([values.size]))
+        return next(iter(outcomes))
 
     def add_fragments(self, header: Header, blocks: np.ndarray, frags: np.ndarray,
-                      rows: np.ndarray, lengths: np.ndarray) -> None:
+                      rows: np.ndarray, lengths: np.ndarray) -> Dict[str, int]:
         """Many decoded DATA datagrams of one (rank, key, part, step) at once.
 
         ``header`` is any one of them (its block/frag fields are ignored); ``rows`` holds the
         payloads as ``(k, max_elems)`` values of the part's dtype, ``lengths`` the true element
-        count of each.  Same outcomes and counters as calling :meth:`add_fragment` on each.
+        count of each.  Returns how many datagrams had each :class:`Outcome` (also added to
+        :attr:`counters`).
         """
+        outcomes: Dict[str, int] = {}
+        self._merge_fragments(header, blocks, frags, rows, lengths, outcomes)
+        for outcome, count in outcomes.items():
+            self.counters[outcome] = self.counters.get(outcome, 0) + count
+        return outcomes
+
+    def _merge_fragments(self, header, blocks, frags, rows, lengths, outcomes) -> None:
+        def tally(outcome: str, count: int) -> None:
+            if count:
+                outcomes[outcome] = outcomes.get(outcome, 0) + count
+
         rank = header.rank
         count = len(blocks)
         if not 0 <= rank < self.num_workers:
-            self._count(Outcome.STALE, count)
+            tally(Outcome.STALE, count)
             return
         state = self._part(header, create=header.step == 0)
         if state is None:
             known = (header.key, header.part) in self._parts
-            self._count(Outcome.MISMATCH if known else Outcome.STALE, count)
+            tally(Outcome.MISMATCH if known else Outcome.STALE, count)
             return
         layout = state.layout
         slots = blocks * layout.frags_per_block + frags
@@ -317,26 +300,22 @@ class StepMerger:
                 target = self._open(state, step + 1)
                 target.late_in[rank] += int(fresh.sum())
                 self._add_rows(target, layout, slots[fresh], rows[fresh], lengths[fresh])
-                self._count(Outcome.LATE_MERGED, int(fresh.sum()))
-                self._count(Outcome.DUPLICATE, count - int(fresh.sum()))
+                tally(Outcome.LATE_MERGED, int(fresh.sum()))
+                tally(Outcome.DUPLICATE, count - int(fresh.sum()))
                 return
             state.late_dropped[rank] += count
-            self._count(Outcome.LATE_DROPPED, count)
+            tally(Outcome.LATE_DROPPED, count)
             return
         if step != state.last_closed + 1:
-            self._count(Outcome.STALE, count)
+            tally(Outcome.STALE, count)
             return
         open_step = self._open(state, step)
         fresh &= ~open_step.received[rank, slots] & ~open_step.reliable[rank, blocks]
         open_step.received[rank, slots[fresh]] = True
         self._add_rows(open_step, layout, slots[fresh], rows[fresh], lengths[fresh])
-        self._count(Outcome.MERGED, int(fresh.sum()))
-        self._count(Outcome.DUPLICATE, count - int(fresh.sum()))
+        tally(Outcome.MERGED, int(fresh.sum()))
+        tally(Outcome.DUPLICATE, count - int(fresh.sum()))
         self._candidates.add((header.key, header.part, step))
-
-    def _count(self, outcome: str, count: int) -> None:
-        if count:
-            self.counters[outcome] = self.counters.get(outcome, 0) + count
 
     @staticmethod
     def _add_rows(open_step: _OpenStep, layout: FragmentLayout, slots: np.ndarray,
@@ -352,12 +331,6 @@ class StepMerger:
         for i in np.flatnonzero(~whole).tolist():
             start, stop = int(starts[i]), int(stops[i])
             open_step.acc[start:stop] += rows[i, :stop - start]
-
-    @staticmethod
-    def _add_values(open_step: _OpenStep, layout: FragmentLayout, header: Header, payload):
-        start, stop = layout.frag_range(header.block, header.frag)
-        values = np.frombuffer(payload, dtype=code_dtype(header.dtype))
-        open_step.acc[start:stop] += values
 
     # -- outputs ----------------------------------------------------------------------------
     def next_deadline(self) -> Optional[float]:

@@ -184,7 +184,6 @@ class Worker:
         self._closed = False
         self.rank = config.rank
         self.num_workers = config.num_workers
-        self.counters = {"udp_send_errors": 0, "replies": 0}
 
         self._links = ServerLinks(self._ctx, addrs, config.udp_channels, self._on_message,
                                   self._expire, self._fail_all)
@@ -620,7 +619,6 @@ class Worker:
         if entry is None:
             self._fail_all(RemoteProtocolError(f"reply for an unknown push: {header.debug_str()}"))
             return
-        self.counters["replies"] += 1
         if len(frames) < 2:
             entry.pending._fail(RemoteProtocolError(f"short reply: {header.debug_str()}"))
             return
