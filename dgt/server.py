@@ -31,7 +31,7 @@ from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_WEIGHTS, HEADER_BYTES, HEADER_DTYPE,
                    NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_header,
-                   dtype_code, encode_header, split_dense)
+                   dtype_code, encode_header, header_runs, split_dense)
 
 __all__ = ["Server", "main"]
 
@@ -242,12 +242,7 @@ class Server:
         if not valid.any():
             return
         index = np.flatnonzero(valid)
-        group_fields = headers[index][["rank", "key", "part", "step", "dtype", "n_elems",
-                                       "block_elems", "frag_elems"]]
-        _, group_of = np.unique(group_fields, return_inverse=True)
-        order = np.argsort(group_of, kind="stable")
-        bounds = np.flatnonzero(np.diff(group_of[order])) + 1
-        for members in np.split(index[order], bounds):
+        for members in header_runs(headers, index):
             first = headers[members[0]]
             header = Header(MsgType.DATA, job=int(first["job"]), rank=int(first["rank"]),
                             dtype=int(first["dtype"]), key=int(first["key"]),

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import NamedTuple, Tuple
+from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
@@ -53,7 +53,7 @@ from .errors import RemoteProtocolError
 __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
            "FLAG_FEEDBACK", "FLAG_WEIGHTS", "NO_RANK", "expected_fragment_bytes", "HEADER_DTYPE",
-           "data_headers", "check_datagrams"]
+           "data_headers", "check_datagrams", "header_runs"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
 # buffers of this size are recycled by the allocator, while 64 MB ones are fresh mmaps that
@@ -261,3 +261,26 @@ def check_datagrams(headers: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     itemsize = np.where(headers["dtype"] == 2, 2, 4)
     ok &= sizes == HEADER_BYTES + frag_len * itemsize
     return ok
+
+
+_PUSH_FIELDS = ("rank", "key", "part", "step", "dtype", "n_elems", "block_elems", "frag_elems")
+
+
+def header_runs(headers: np.ndarray, index: np.ndarray) -> List[np.ndarray]:
+    """``index`` (rows of ``headers``, a HEADER_DTYPE array) cut into runs of datagrams of
+    the same push, in order.
+
+    Datagrams of one push arrive in long runs (a sender hands the kernel up to 60 per call),
+    so the server merges run by run; a push split over several runs is merged in several
+    calls, which gives the same sums.  (Grouping with ``np.unique`` on the structured headers
+    cost more than the merge itself.)
+    """
+    if len(index) == 0:
+        return []
+    picked = headers[index]
+    starts = np.zeros(len(index), dtype=bool)
+    starts[0] = True
+    for name in _PUSH_FIELDS:
+        column = picked[name]
+        starts[1:] |= column[1:] != column[:-1]
+    return np.split(index, np.flatnonzero(starts)[1:])

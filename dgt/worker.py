@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import zmq
@@ -67,20 +67,50 @@ class Pending:
         self._event = threading.Event()
         self._error: Optional[BaseException] = None
         self._timeout_s = timeout_s
+        self._callbacks: List[Callable[["Pending"], None]] = []
         if parts == 0:
             self._event.set()
 
     def _part_done(self) -> None:
         with self._lock:
             self._left -= 1
-            if self._left == 0:
+            finished = self._left == 0 and not self._event.is_set()
+            if finished:
                 self._event.set()
+        if finished:
+            self._run_callbacks()
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
             if self._error is None:
                 self._error = error
+            finished = not self._event.is_set()
             self._event.set()
+        if finished:
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - one bad callback must not starve the others
+                logger.exception("callback of %s failed", self.what)
+
+    def add_done_callback(self, callback: Callable[["Pending"], None]) -> None:
+        """Call ``callback(self)`` once the result or an error is there (at once if it is),
+        on the thread that finishes it (usually the I/O thread: keep it short).  Timeouts
+        finish a pending too, so the callback always comes."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def error(self) -> Optional[BaseException]:
+        """The error that finished this call, if any (None while running or on success)."""
+        return self._error
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -216,13 +246,13 @@ class Worker:
             return self._stats
 
     def pushpull(self, key: int, flat: np.ndarray, step_stats: Optional[StepStats] = None,
-                 ) -> Pending:
+                 out: Optional[np.ndarray] = None) -> Pending:
         """Push ``flat`` (this worker's gradient of ``key``) and get the merged result.
 
         Thread-safe.  ``step_stats`` is what :meth:`begin` returned for this push (it is
         called here when omitted).  The array is read asynchronously: do not modify it until
-        the result is ready.  The result array is reused by the key's next pushpull: copy it
-        if you keep it longer.
+        the result is ready.  The result lands in ``out`` (flat, same size and dtype) when
+        given, else in an array the key's next pushpull reuses: copy it if you keep it longer.
         """
         self._check_usable()
         flat = self._as_flat(flat)
@@ -236,9 +266,16 @@ class Worker:
             norm_sq = float(np.dot(as32, as32))
             with self._round_lock:
                 self._grad_sq += norm_sq
-        if plan.result is None:
-            plan.result = np.empty(plan.n_elems, dtype=plan.dtype)
-        pending = Pending(f"pushpull of key {key}", plan.result, len(plan.parts),
+        if out is not None:
+            if out.shape != (plan.n_elems,) or out.dtype != plan.dtype:
+                raise LocalProtocolError(f"pushpull of key {key}: `out` must be flat "
+                                         f"{plan.dtype} of {plan.n_elems} elements")
+            result = out
+        else:
+            if plan.result is None:
+                plan.result = np.empty(plan.n_elems, dtype=plan.dtype)
+            result = plan.result
+        pending = Pending(f"pushpull of key {key}", result, len(plan.parts),
                           self.config.timeout_s)
         with plan.lock:
             steps = []

@@ -1,12 +1,16 @@
 """``mx.kv.create('dgt')``: the MXNet face of :class:`dgt.worker.Worker`.
 
-The only module of dgt that imports mxnet.  It converts NDArrays to numpy on the way out and
+The only package of dgt that imports mxnet.  It converts NDArrays to numpy on the way out and
 writes results back with NDArray-to-NDArray copies (numpy writes into MKLDNN-layout weights
 fail, see the MXNet notes).  ``pushpull`` works *through MXNet's engine*, as the native
-kvstore does: it returns at once after enqueueing two small custom operators per key, one that
-pushes the gradient as soon as backward has computed it (so communication overlaps the rest of
-the backward pass) and one that waits for the reply and writes it into the output arrays;
-anything that reads those arrays (the optimizer, ``asnumpy``) waits for it.
+kvstore does: per key it enqueues a copy of the gradient into a host buffer, one asynchronous
+engine operator (:mod:`dgt.mxnet.engine`) that hands the buffer to the worker as soon as
+backward has computed it (so communication overlaps the rest of the backward pass) and
+finishes when the reply is in, and a copy of the reply into the output arrays; anything that
+reads those arrays (the optimizer, ``asnumpy``) waits for it.  No thread waits meanwhile.
+
+A failure in flight (a timeout, a lost server) cannot travel through the engine: it is logged
+at once and raised by the next call of this store; the outputs keep their old values.
 
 Semantics are those of ``dist_sync``: ``pushpull`` returns the *sum* over workers, broadcast
 returns rank 0's value, and ``type`` contains ``dist`` and ``_sync`` so that Gluon and Module
@@ -15,158 +19,41 @@ treat the store exactly like ``dist_sync`` (batch-size scaling in Module, no kvs
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
-import itertools
 import logging
 import pickle
-import threading
 import types
 from typing import Dict, Optional
 
 import mxnet as mx
 import numpy as np
-from mxnet.base import _LIB, check_call
 from mxnet.kvstore.base import KVStoreBase
 
 from .. import current_config
 from ..config import Config
 from ..errors import LocalProtocolError
 from ..worker import Pending, Worker
+from .engine import host_view, push_async
 
 __all__ = ["DGT"]
 
 logger = logging.getLogger(__name__)
 
-class _Ticket:
-    """What the engine operators of one push share: the push result, its error, its users."""
+class _KeyBuffers:
+    """A key's host arrays, reused every step: the gradient (summed over the local devices)
+    goes out of ``send``, the reply lands in ``recv``.  Both are our own default-layout CPU
+    NDArrays, so the engine operator can touch them through numpy views (``*_view``)."""
 
-    __slots__ = ("store", "key", "stats", "pending", "error", "users")
+    __slots__ = ("send", "recv", "send_view", "recv_view")
 
-    def __init__(self, store, key, stats, users):
-        self.store, self.key, self.stats, self.users = store, key, stats, users
-        self.pending: Optional[Pending] = None
-        self.error: Optional[BaseException] = None
+    def __init__(self, like):
+        self.send = mx.nd.empty(like.shape, ctx=mx.cpu(), dtype=like.dtype)
+        self.recv = mx.nd.empty(like.shape, ctx=mx.cpu(), dtype=like.dtype)
+        self.send_view = host_view(self.send, self.send.dtype)
+        self.recv_view = host_view(self.recv, self.recv.dtype)
 
-
-_tickets: Dict[int, _Ticket] = {}
-_ticket_ids = itertools.count()
-_tickets_lock = threading.Lock()
-
-
-def _ticket(ticket_id: int, release: bool = False) -> _Ticket:
-    with _tickets_lock:
-        ticket = _tickets[ticket_id]
-        if release:
-            ticket.users -= 1
-            if ticket.users == 0:
-                del _tickets[ticket_id]
-        return ticket
-
-
-class _PushGradient(mx.operator.CustomOp):
-    """Engine operator: runs as soon as the gradient is computed (overlapping the rest of the
-    backward pass), sums it over the local devices and hands it to the dgt worker.  It never
-    waits for the network."""
-
-    def __init__(self, ticket_id: int):
-        super().__init__()
-        self._ticket_id = ticket_id
-
-    def forward(self, is_train, req, in_data, out_data, aux):
-        ticket = _ticket(self._ticket_id)
-        try:
-            total = ticket.store._host_buffer(ticket.key, in_data[0])
-            _copy_to_host(in_data[0], total)
-            for array in in_data[1:]:
-                total += array.asnumpy()
-            ticket.pending = ticket.store._worker.pushpull(ticket.key, total, ticket.stats)
-        except Exception as exc:
-            ticket.error = exc
-            ticket.store._remember_error(exc)
-            raise
-        self.assign(out_data[0], req[0], mx.nd.zeros(1))
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        raise RuntimeError("dgt_push has no gradient")
-
-
-class _AwaitResult(mx.operator.CustomOp):
-    """Engine operator: wait for the reply of a push and write it into the output array.
-
-    Its extra input is the push operator's output, so the engine starts it only after the push
-    left; every waiting operator has its own thread (MXNet starts custom-operator threads on
-    demand), so waits never block pushes.
-    """
-
-    def __init__(self, ticket_id: int):
-        super().__init__()
-        self._ticket_id = ticket_id
-
-    def forward(self, is_train, req, in_data, out_data, aux):
-        ticket = _ticket(self._ticket_id, release=True)
-        try:
-            if ticket.error is not None:
-                raise ticket.error
-            result = ticket.pending.wait()
-        except Exception as exc:  # keep the real error for the next kvstore call
-            ticket.store._remember_error(exc)
-            raise
-        self.assign(out_data[0], req[0], _wrap(result, out_data[0].shape))
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        raise RuntimeError("dgt_await has no gradient")
-
-
-@mx.operator.register("dgt_push")
-class _PushGradientProp(mx.operator.CustomOpProp):
-    def __init__(self, ticket, num_inputs="1"):
-        super().__init__(need_top_grad=False)
-        self._ticket_id = int(ticket)
-        self._num_inputs = int(num_inputs)
-
-    def list_arguments(self):
-        return [f"grad{i}" for i in range(self._num_inputs)]
-
-    def list_outputs(self):
-        return ["token"]
-
-    def infer_shape(self, in_shape):
-        return in_shape, [(1,)], []
-
-    def infer_type(self, in_type):
-        return in_type, [np.float32], []
-
-    def create_operator(self, ctx, shapes, dtypes):
-        return _PushGradient(self._ticket_id)
-
-
-@mx.operator.register("dgt_await")
-class _AwaitResultProp(mx.operator.CustomOpProp):
-    def __init__(self, ticket):
-        super().__init__(need_top_grad=False)
-        self._ticket_id = int(ticket)
-
-    def list_arguments(self):
-        return ["data", "token"]
-
-    def list_outputs(self):
-        return ["output"]
-
-    def infer_shape(self, in_shape):
-        return in_shape, [in_shape[0]], []
-
-    def infer_type(self, in_type):
-        return in_type, [in_type[0]], []
-
-    def create_operator(self, ctx, shapes, dtypes):
-        return _AwaitResult(self._ticket_id)
-
-
-def _copy_to_host(array, out: np.ndarray) -> None:
-    """``out[:] = array.asnumpy()`` without allocating (the C call ``asnumpy`` makes)."""
-    check_call(_LIB.MXNDArraySyncCopyToCPU(array.handle, out.ctypes.data_as(ctypes.c_void_p),
-                                           ctypes.c_size_t(out.size)))
+    def fits(self, like) -> bool:
+        return self.send.shape == like.shape and self.send.dtype == like.dtype
 
 
 def _wrap(result: np.ndarray, shape) -> "mx.nd.NDArray":
@@ -198,8 +85,7 @@ class DGT(KVStoreBase):
         self._worker = Worker(self._config)
         self._key_ids: Dict[str, int] = {}
         self._pushed: Dict[int, Pending] = {}
-        self._host_buffers: Dict[int, np.ndarray] = {}
-        self._staging_arrays: Dict[tuple, object] = {}
+        self._buffers: Dict[int, _KeyBuffers] = {}
         self._error: Optional[BaseException] = None
         self._optimizer = None
         atexit.register(self.close)
@@ -241,24 +127,37 @@ class DGT(KVStoreBase):
         for k, v, o in self._zip(key, value, targets):
             key_id = self._key_id(k)
             values, outs = _as_list(v), _as_list(o)
-            ticket_id = next(_ticket_ids)
-            with _tickets_lock:
-                _tickets[ticket_id] = _Ticket(self, key_id, self._worker.begin(key_id), len(outs))
-            token = mx.nd.Custom(*values, op_type="dgt_push", ticket=str(ticket_id),
-                                 num_inputs=str(len(values)))
-            if out is None:  # gradients: default layout, written in place
-                for target in outs:
-                    mx.nd.Custom(target, token, op_type="dgt_await", ticket=str(ticket_id),
-                                 out=target)
-                continue
-            # Weights may be in MKLDNN layout after an inference forward, and a custom operator
-            # cannot write those ("can't generate TBlob for MKLDNN data"): the reply lands in a
-            # staging array of ours, then an NDArray copy (which reorders) fills each target.
-            for index, target in enumerate(outs):
-                staging = self._staging(key_id, index, target)
-                mx.nd.Custom(staging, token, op_type="dgt_await", ticket=str(ticket_id),
-                             out=staging)
-                target[:] = staging
+            buffers = self._buffers_for(key_id, values[0])
+            # Engine copies: they wait for backward, and reorder MKLDNN layouts, which the
+            # numpy views of our own buffers never see.
+            if len(values) == 1:
+                values[0].copyto(buffers.send)
+            else:
+                mx.nd.add_n(*[a.as_in_context(buffers.send.context) for a in values],
+                            out=buffers.send)
+            stats = self._worker.begin(key_id)  # program order, for the step statistics
+            push_async(functools.partial(self._exchange, key_id, buffers, stats),
+                       reads=[buffers.send], writes=[buffers.recv], priority=priority)
+            for target in outs:
+                buffers.recv.copyto(target)
+
+    def _exchange(self, key_id: int, buffers: _KeyBuffers, stats, completion) -> None:
+        """The engine operator of one pushpull: hand the gradient to the worker and complete
+        when the reply is in ``buffers.recv`` (on the I/O thread, or at the timeout)."""
+        try:
+            pending = self._worker.pushpull(key_id, buffers.send_view, stats,
+                                            out=buffers.recv_view)
+        except Exception as exc:  # noqa: BLE001 - raised by the next kvstore call
+            self._remember_error(exc)
+            completion()
+            return
+
+        def finished(done: Pending) -> None:
+            if done.error() is not None:
+                self._remember_error(done.error())
+            completion()
+
+        pending.add_done_callback(finished)
 
     def init(self, key, value):
         for k, v, _ in self._zip(key, value, value):
@@ -341,24 +240,12 @@ class DGT(KVStoreBase):
         self._worker.close()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _staging(self, key_id: int, index: int, like):
-        """A default-layout NDArray per (key, output), reused every step (the engine orders
-        each step's write after the previous step's copy out of it)."""
-        staging = self._staging_arrays.get((key_id, index))
-        if staging is None or staging.shape != like.shape or staging.dtype != like.dtype:
-            staging = mx.nd.empty(like.shape, ctx=like.context, dtype=like.dtype)
-            self._staging_arrays[(key_id, index)] = staging
-        return staging
-
-    def _host_buffer(self, key_id: int, like) -> np.ndarray:
-        """The numpy buffer a key's gradient is copied into, reused every step: the worker
-        is done with the previous step's copy once its reply arrived, which the engine
-        orders before the next backward pass writes this gradient again."""
-        buffer = self._host_buffers.get(key_id)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = np.empty(like.shape, dtype=like.dtype)
-            self._host_buffers[key_id] = buffer
-        return buffer
+    def _buffers_for(self, key_id: int, like) -> _KeyBuffers:
+        buffers = self._buffers.get(key_id)
+        if buffers is None or not buffers.fits(like):
+            buffers = _KeyBuffers(like)
+            self._buffers[key_id] = buffers
+        return buffers
 
     def _key_id(self, key) -> int:
         if isinstance(key, str):

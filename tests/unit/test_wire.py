@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from dgt.errors import RemoteProtocolError
-from dgt.wire import (HEADER_BYTES, Header, MsgType, decode_datagram, decode_header,
-                      encode_header, expected_fragment_bytes)
+from dgt.wire import (HEADER_BYTES, Header, MsgType, data_headers, decode_datagram,
+                      decode_header, encode_header, expected_fragment_bytes, header_runs)
 
 
 def data_header(**kw):
@@ -108,3 +108,22 @@ def test_vectorised_checks_agree_with_the_decoder(rng):
             expected = False
         assert ok == expected, b[:HEADER_BYTES].hex()
     assert batch[:3].all() and not batch.all()
+
+
+def test_header_runs_cut_at_every_change_of_push_and_cover_each_row_once():
+    rng = np.random.default_rng(7)
+    pushes = [Header(MsgType.DATA, job=9, rank=r, key=k, step=s, dtype=1, n_elems=4096,
+                     block_elems=1024, frag_elems=256)
+              for r in (0, 1) for k in (3, 4) for s in (0, 1)]
+    # Runs of random length, pushes interleaved and revisited, as from two senders.
+    owner = np.repeat(rng.integers(0, len(pushes), 40), rng.integers(1, 9, 40))
+    headers = np.concatenate([data_headers(pushes[p], np.array([1]), np.array([0]),
+                                           np.array([0])) for p in owner])
+    index = np.flatnonzero(rng.random(len(owner)) < 0.8)  # some rows invalid, skipped
+    runs = header_runs(headers, index)
+    assert np.array_equal(np.concatenate(runs), index)
+    for run in runs:
+        assert len(set(owner[run].tolist())) == 1  # one push per run
+    for left, right in zip(runs, runs[1:]):
+        assert owner[left[-1]] != owner[right[0]]  # maximal runs
+    assert header_runs(headers, index[:0]) == []
