@@ -104,6 +104,10 @@ KNOBS: Tuple[Knob, ...] = (
          lambda v: v == 0 or 1024 <= v < 2 ** 31,
          "Tensors larger than this many elements are cut into parts merged and answered "
          "independently, so a big tensor's push and reply overlap (0: never cut).", "worker"),
+    Knob("fusion_elems", "DGT_FUSION_ELEMS", int, 1 << 18, "0..2**30", _in(0, 2 ** 30),
+         "Tensors smaller than this many elements are packed together, in the order they are "
+         "pushed, into buckets of at most this size that travel as one key (tensor fusion; "
+         "0: never).", "worker"),
     Knob("timeout_s", "DGT_TIMEOUT_S", float, 300.0, "1..86400", _in(1.0, 86400.0),
          "Longest wait for any reply or peer before failing with a clear error.", "all"),
     Knob("log_level", "DGT_LOG_LEVEL", str, "INFO", "DEBUG|INFO|WARNING|ERROR",
@@ -196,6 +200,7 @@ class Config:
     seed: int = 0
     bigarray_elems: int = 1_000_000
     part_elems: int = 1 << 20
+    fusion_elems: int = 1 << 18
     timeout_s: float = 300.0
     log_level: str = "INFO"
     stats: str = ""

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -25,6 +26,7 @@ import zmq
 
 from .config import Config
 from .errors import ConfigError, DGTError, RemoteProtocolError
+from .fusion import FUSED_KEY_BASE
 from .merge import ClosedStep, StepMerger
 from .partition import BlockLayout
 from .transport.priority import apply_zmq_priority
@@ -86,6 +88,18 @@ class _Optimizer:
         weight.wait_to_read()
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """A fused key: member ``keys[i]`` is ``[offsets[i], offsets[i+1])`` of it."""
+
+    keys: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    dtype: int
+
+    def spans(self):
+        return zip(self.keys, self.offsets[:-1], self.offsets[1:])
+
+
 def _import_mxnet():
     # MXNet starts its own ps-lite server at import when DMLC_ROLE=server: hide it.
     saved = os.environ.pop("DMLC_ROLE", None)
@@ -128,6 +142,7 @@ class Server:
         self._init_seen: Counter = Counter()
         self._barrier: Dict[int, int] = {}
         self._optimizer: Optional[_Optimizer] = None
+        self._buckets: Dict[int, _Bucket] = {}
         self._stop = threading.Event()
         self._last_activity = time.monotonic()
 
@@ -324,6 +339,9 @@ class Server:
                     raise RemoteProtocolError("SET_STATES needs exactly one payload frame")
                 self._optimizer.set_states(frames[1].bytes)
                 self._send(rank, header._replace(type=MsgType.ACK))
+        elif mtype is MsgType.FUSE:
+            self._on_fuse(header, frames)
+            self._send(rank, header._replace(type=MsgType.ACK))
         elif mtype is MsgType.BARRIER:
             self._barrier[rank] = header.step
             if len(self._barrier) == self.config.num_workers:
@@ -376,10 +394,34 @@ class Server:
             if len(raw) % dtype.itemsize:
                 raise RemoteProtocolError("PUSH payload is not a whole number of elements")
             chunks.append(np.frombuffer(raw, dtype=dtype))
-        if self._optimizer is not None and (header.key, header.part) not in self._weights:
+        if self._optimizer is not None and header.key not in self._buckets and \
+                (header.key, header.part) not in self._weights:
             raise RemoteProtocolError(f"push of key {header.key} before its weights were "
                                       "initialised (broadcast/init) on the server")
         self.merger.add_push(header, blocks, chunks, time.monotonic())
+
+    def _on_fuse(self, header: Header, frames) -> None:
+        """Record that key ``header.key`` is a bucket: its members' tensors end to end."""
+        if len(frames) != 2 or len(frames[1].buffer) % 16:
+            raise RemoteProtocolError("FUSE needs one frame of (key, n_elems) int64 pairs")
+        table = np.frombuffer(frames[1].buffer, dtype=np.int64).reshape(-1, 2)
+        if header.key < FUSED_KEY_BASE or len(table) < 2 or (table[:, 0] < 0).any() or \
+                (table[:, 0] >= FUSED_KEY_BASE).any() or (table[:, 1] < 1).any() or \
+                int(table[:, 1].sum()) != header.n_elems:
+            raise RemoteProtocolError(f"FUSE of key {header.key}: not a valid bucket")
+        offsets = np.concatenate([[0], np.cumsum(table[:, 1])])
+        bucket = _Bucket(tuple(table[:, 0].tolist()), tuple(offsets.tolist()), header.dtype)
+        known = self._buckets.get(header.key)
+        if known is not None and known != bucket:
+            raise RemoteProtocolError(f"workers disagree on the members of bucket {header.key}")
+        if self._optimizer is not None:
+            missing = [k for k in bucket.keys if (k, 0) not in self._weights]
+            if missing:
+                raise RemoteProtocolError(f"bucket {header.key} holds keys without weights on "
+                                          f"this server: {missing[:5]}")
+        self._buckets[header.key] = bucket
+        if (header.key, 0) not in self._values:  # the reply buffer of a server-side update
+            self._values[(header.key, 0)] = np.empty(header.n_elems, code_dtype(header.dtype))
 
     def _on_init(self, header: Header, frames) -> None:
         key = (header.key, header.part)
@@ -425,13 +467,23 @@ class Server:
     def _reply(self, closed: ClosedStep) -> None:
         key = (closed.key, closed.part)
         flags = 0
+        bucket = self._buckets.get(closed.key)
         if self._optimizer is not None:
-            self._optimizer.update(closed.key, closed.part, self._weights[key], closed.merged)
             payload = self._values[key]
+            if bucket is None:
+                self._optimizer.update(closed.key, closed.part, self._weights[key], closed.merged)
+            else:  # each member under its own key: its own states and lr/wd multipliers
+                for member, lo, hi in bucket.spans():
+                    self._optimizer.update(member, 0, self._weights[(member, 0)],
+                                           closed.merged[lo:hi])
+                    payload[lo:hi] = self._values[(member, 0)]
             flags |= FLAG_WEIGHTS
         else:
             self._values[key] = closed.merged
             payload = closed.merged
+            if bucket is not None:  # so that a member can be pulled on its own
+                for member, lo, hi in bucket.spans():
+                    self._values[(member, 0)] = closed.merged[lo:hi]
         if closed.missing is not None:
             flags |= FLAG_FEEDBACK
         grace_us = int(closed.grace_s * 1e6)

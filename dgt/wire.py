@@ -86,6 +86,7 @@ class MsgType(enum.IntEnum):
     PUSH_END = 14
     GET_STATES = 15
     SET_STATES = 16
+    FUSE = 17
 
 
 class Header(NamedTuple):

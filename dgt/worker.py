@@ -288,6 +288,32 @@ class Worker:
             self._push_part(key, part, step, flat[part.start:part.stop], pending, step_stats, k)
         return pending
 
+    def server_of(self, key: int, n_elems: int) -> Optional[int]:
+        """The server that owns all of ``key`` (a tensor of ``n_elems``), or None when the
+        key is cut into parts."""
+        parts = plan_parts(n_elems, key, len(self._addrs), self.config.bigarray_elems,
+                           self.config.part_elems)
+        return parts[0].server if len(parts) == 1 else None
+
+    def define_bucket(self, bucket_key: int, server: int, members: List[Tuple[int, int]],
+                      dtype) -> Pending:
+        """Declare that key ``bucket_key`` is the concatenation of ``members`` ((key, n_elems)
+        pairs, all owned by ``server``): the server then updates and stores each member, and
+        the bucket is pushed like any key.  Every worker declares the same buckets."""
+        self._check_usable()
+        dtype = np.dtype(dtype)
+        table = np.array(members, dtype=np.int64).reshape(-1, 2)
+        total = int(table[:, 1].sum())
+        with self._plan_lock:
+            self._keys[bucket_key] = _KeyPlan(total, dtype, [Part(server, 0, 0, total)], [0])
+        serial = next(self._serial)
+        pending = Pending(f"definition of bucket {bucket_key}", None, 1, self.config.timeout_s)
+        self._register(("ack", 0, 0, serial), _Inflight(pending, Part(server, 0, 0, 0),
+                                                         time.time()))
+        header = self._header(MsgType.FUSE, bucket_key, None, serial, dtype, total)
+        self._send(server, [encode_header(header), table])
+        return pending
+
     def broadcast(self, key: int, flat: np.ndarray) -> Pending:
         """Rank 0's ``flat`` for everyone (the server also stores it as the key's value)."""
         return self._init_or_broadcast(key, flat, "broadcast")

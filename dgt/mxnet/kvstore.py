@@ -32,8 +32,10 @@ from mxnet.kvstore.base import KVStoreBase
 from .. import current_config
 from ..config import Config
 from ..errors import LocalProtocolError
+from ..fusion import FUSED_KEY_BASE, Call, FusionPlanner, Slot
 from ..worker import Pending, Worker
 from .engine import host_view, push_async
+from .fused import Fuser
 
 __all__ = ["DGT"]
 
@@ -86,6 +88,9 @@ class DGT(KVStoreBase):
         self._key_ids: Dict[str, int] = {}
         self._pushed: Dict[int, Pending] = {}
         self._buffers: Dict[int, _KeyBuffers] = {}
+        self._planner = FusionPlanner(self._config.fusion_elems, self._worker.server_of)
+        self._shapes: Dict[int, tuple] = {}
+        self._fuser = Fuser(self._worker, self._remember_error, self._stop_fusion)
         self._error: Optional[BaseException] = None
         self._optimizer = None
         atexit.register(self.close)
@@ -124,9 +129,13 @@ class DGT(KVStoreBase):
 
     def pushpull(self, key, value, out=None, priority=0):
         targets = value if out is None else out
-        for k, v, o in self._zip(key, value, targets):
+        for k, v, o in self._zip(key, value, targets, flush=False):
             key_id = self._key_id(k)
             values, outs = _as_list(v), _as_list(o)
+            slot = self._fusion_slot(key_id, values[0])
+            if slot is not None:
+                self._fuser.pushpull(slot, values, outs, self._worker.begin(key_id), priority)
+                continue
             buffers = self._buffers_for(key_id, values[0])
             # Engine copies: they wait for backward, and reorder MKLDNN layouts, which the
             # numpy views of our own buffers never see.
@@ -183,7 +192,7 @@ class DGT(KVStoreBase):
     # -- control ------------------------------------------------------------------------------
     def set_optimizer(self, optimizer):
         """Run ``optimizer`` on the servers; pushes then return updated weights."""
-        self._raise_pending_error()
+        self._settle()
         self._optimizer = optimizer
         self._worker.set_optimizer(pickle.dumps(optimizer, 0))
 
@@ -193,7 +202,7 @@ class DGT(KVStoreBase):
             "combined with it (drop compression_params, or use kvstore='dist_sync')")
 
     def barrier(self):
-        self._raise_pending_error()
+        self._settle()
         self._worker.barrier()
 
     def _barrier(self):
@@ -203,7 +212,7 @@ class DGT(KVStoreBase):
         """Save the server-side optimizer's states (momentum, ...) to ``fname``.
 
         Unlike ``dist_sync``, which cannot, dgt fetches them from every server."""
-        self._raise_pending_error()
+        self._settle()
         mx.nd.waitall()
         blobs = self._worker.get_optimizer_states(dump_optimizer)
         with open(fname, "wb") as f:
@@ -212,7 +221,7 @@ class DGT(KVStoreBase):
     def load_optimizer_states(self, fname):
         """Load states saved by :meth:`save_optimizer_states` into the servers.  Call it on
         every worker, or on one before training starts (loading is idempotent)."""
-        self._raise_pending_error()
+        self._settle()
         with open(fname, "rb") as f:
             saved = pickle.load(f)  # the user's own file, as MXNet's loaders do
         if not isinstance(saved, dict) or "dgt_optimizer_states" not in saved:
@@ -237,9 +246,42 @@ class DGT(KVStoreBase):
             mx.nd.waitall()
         except Exception:  # noqa: BLE001 - an error already reported by the engine
             pass
+        self._fuser.close()
+        try:
+            mx.nd.waitall()
+        except Exception:  # noqa: BLE001
+            pass
         self._worker.close()
 
     # -- helpers ------------------------------------------------------------------------------
+    def _fusion_slot(self, key_id: int, like) -> Optional[Slot]:
+        """Where this pushpull goes in the learned step (None: on its own)."""
+        planner = self._planner
+        if planner.stopped:
+            return None
+        was_active = planner.active
+        slot, broke = planner.place(Call(key_id, int(np.prod(like.shape)),
+                                         np.dtype(like.dtype).name))
+        self._shapes.setdefault(key_id, tuple(like.shape))
+        if broke:
+            logger.warning("dgt: tensor fusion stops: %s", planner.stop_reason)
+            self._fuser.flush()
+        if planner.active and not was_active:
+            self._fuser.define(planner.buckets, self._shapes)
+        return slot
+
+    def _stop_fusion(self, reason: str) -> None:
+        self._planner.stop(reason)
+        logger.warning("dgt: tensor fusion stops: %s", reason)
+
+    @property
+    def fused_keys(self) -> int:
+        """How many keys travel in buckets (0 while the first step is learned, or when
+        fusion is off or stopped; see DGT_FUSION_ELEMS)."""
+        if not self._planner.active:
+            return 0
+        return sum(len(bucket.members) for bucket in self._planner.buckets)
+
     def _buffers_for(self, key_id: int, like) -> _KeyBuffers:
         buffers = self._buffers.get(key_id)
         if buffers is None or not buffers.fits(like):
@@ -255,13 +297,19 @@ class DGT(KVStoreBase):
                 self._key_ids[key] = len(self._key_ids)
             return self._key_ids[key]
         key = int(key)
+        if not 0 <= key < FUSED_KEY_BASE:
+            raise LocalProtocolError(f"key {key} is out of range 0..{FUSED_KEY_BASE - 1} (dgt "
+                                     "keeps the keys above for fused tensors)")
         if self._key_ids and key in self._key_ids.values():
             raise LocalProtocolError(f"integer key {key} collides with a string key; use one "
                                      "kind of key per store")
         return key
 
-    def _zip(self, key, value, out):
-        self._raise_pending_error()
+    def _zip(self, key, value, out, flush=True):
+        if flush:
+            self._settle()
+        else:
+            self._raise_pending_error()
         if isinstance(key, (list, tuple)):
             if not (len(key) == len(value) == len(out)):
                 raise LocalProtocolError("key, value and out lists differ in length")
@@ -280,6 +328,12 @@ class DGT(KVStoreBase):
         logger.error("dgt: %s", error)
         if self._error is None:
             self._error = error
+
+    def _settle(self) -> None:
+        """Any call but pushpull ends the open fusion rounds first (nothing is left waiting
+        for a member), then raises an error from earlier asynchronous work."""
+        self._fuser.flush()
+        self._raise_pending_error()
 
     def _raise_pending_error(self) -> None:
         if self._error is not None:

@@ -239,3 +239,45 @@ def test_server_zero_assigns_ranks_when_none_is_given(make_job):
     for t in threads:
         t.join(timeout=60)
     assert not errors and sorted(ranks) == [0, 1]
+
+
+def test_a_bucket_sums_as_one_key_and_its_members_stay_pullable(make_job):
+    from dgt.fusion import FUSED_KEY_BASE
+
+    config, servers = make_job(2, threshold=0.3, adaptive=False, block_elems=256)
+    bucket = FUSED_KEY_BASE + 7
+    sizes = {3: 1000, 4: 5, 5: 700}  # several blocks: the bucket is scored like any key
+
+    def body(worker):
+        members = list(sizes.items())
+        worker.define_bucket(bucket, 0, members, np.float32).wait()
+        flat = np.concatenate([np.full(n, (worker.rank + 1) * (key + 1), np.float32)
+                               for key, n in members])
+        merged = worker.pushpull(bucket, flat).wait().copy()
+        worker.barrier()
+        return merged, worker.pull(4, np.zeros(5, np.float32)).wait().copy()
+
+    results = run_workers(config, body, 2)
+    expected = np.concatenate([np.full(n, 3 * (key + 1), np.float32) for key, n in sizes.items()])
+    for merged, pulled in results.values():
+        np.testing.assert_array_equal(merged, expected)  # 1*(k+1) + 2*(k+1)
+        np.testing.assert_array_equal(pulled, np.full(5, 15, np.float32))
+
+
+def test_workers_that_disagree_on_a_bucket_are_refused(make_job):
+    from dgt.errors import RemoteProtocolError
+    from dgt.fusion import FUSED_KEY_BASE
+
+    config, _ = make_job(2)
+
+    def body(worker):
+        members = [(0, 10), (1, 20 + worker.rank)]
+        try:
+            worker.define_bucket(FUSED_KEY_BASE, 0, members, np.float32).wait()
+            return "accepted"
+        except RemoteProtocolError as exc:
+            return str(exc)
+
+    results = run_workers(config, body, 2)
+    assert sorted(results.values())[0] == "accepted"
+    assert "disagree" in sorted(results.values())[1]

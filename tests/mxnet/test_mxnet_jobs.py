@@ -2,12 +2,15 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("mxnet")
+
+from dgt.mxnet.fused import STALL_S  # noqa: E402
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -18,7 +21,7 @@ def launch(job, out, kvstore, *extra, backend="dgt", env=None):
     full_env = dict(os.environ, **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, [np.load(out / f"{kvstore}-{rank}.npy") for rank in range(2)]
+    return proc.stdout + proc.stderr, [np.load(out / f"{kvstore}-{rank}.npy") for rank in range(2)]
 
 
 def test_gluon_string_dgt_on_one_device_trains_identical_replicas(tmp_path):
@@ -29,11 +32,31 @@ def test_gluon_string_dgt_on_one_device_trains_identical_replicas(tmp_path):
     np.testing.assert_array_equal(w0, w1)
 
 
-@pytest.mark.parametrize("extra", [(), ("--update-on-kvstore", "0"), ("--devices", "2")],
-                         ids=["server-optimizer", "worker-update", "two-devices"])
-def test_gluon_dgt_all_reliable_equals_dist_sync(tmp_path, extra):
-    _, (d0, d1) = launch("gluon_job.py", tmp_path, "dgt", *extra, env={"DGT_ENABLE": "0"})
+@pytest.mark.parametrize("extra,fusion", [((), True), ((), False),
+                                          (("--update-on-kvstore", "0"), True),
+                                          (("--devices", "2"), True)],
+                         ids=["server-optimizer", "server-optimizer-unfused", "worker-update",
+                              "two-devices"])
+def test_gluon_dgt_all_reliable_equals_dist_sync(tmp_path, extra, fusion):
+    env = {"DGT_ENABLE": "0", "DGT_FUSION_ELEMS": str(1 << 18 if fusion else 0)}
+    stdout, (d0, d1) = launch("gluon_job.py", tmp_path, "dgt", *extra, env=env)
+    # The job's six tensors are small: after the first step they travel as one bucket.
+    assert ("fused keys per step [0, 6, 6," in stdout) == fusion, stdout[-2000:]
     _, (m0, m1) = launch("gluon_job.py", tmp_path, "dist_sync", *extra, backend="mxnet")
+    np.testing.assert_array_equal(d0, d1)
+    np.testing.assert_allclose(d0, m0, rtol=1e-5, atol=1e-6)
+
+
+def test_fusion_survives_a_step_that_pushes_fewer_keys(tmp_path):
+    """Freezing the last layer removes the bucket's last members.  The job reads new weights
+    before it calls the store again, so only the watchdog can send the round they leave open
+    (member by member); fusion stops, and training matches dist_sync doing the same."""
+    extra = ("--steps", "8", "--freeze-head-after", "4")
+    started = time.monotonic()
+    stdout, (d0, d1) = launch("gluon_job.py", tmp_path, "dgt", *extra, env={"DGT_ENABLE": "0"})
+    assert time.monotonic() - started >= STALL_S  # the watchdog, not a later call, sent it
+    assert "fused keys per step [0, 6, 6, 6, 0, 0, 0, 0]" in stdout, stdout[-2000:]
+    _, (m0, _) = launch("gluon_job.py", tmp_path, "dist_sync", *extra, backend="mxnet")
     np.testing.assert_array_equal(d0, d1)
     np.testing.assert_allclose(d0, m0, rtol=1e-5, atol=1e-6)
 

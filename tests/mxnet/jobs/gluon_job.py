@@ -17,6 +17,8 @@ parser.add_argument("--update-on-kvstore", choices=("auto", "0", "1"), default="
 parser.add_argument("--report-loss", action="store_true")
 parser.add_argument("--first-step", type=int, default=0, help="resume: load --states first")
 parser.add_argument("--states", default="", help="trainer states + parameters file prefix")
+parser.add_argument("--freeze-head-after", type=int, default=0,
+                    help="from this step on, the last layer is frozen (fewer keys per step)")
 args = parser.parse_args()
 
 mx.random.seed(7)
@@ -36,7 +38,11 @@ batch = 16
 if args.first_step:
     net.load_parameters(args.states + ".params", ctx=contexts)
     trainer.load_states(args.states + ".states")
+fused_keys = []
 for step in range(args.first_step, args.steps):
+    if args.freeze_head_after and step == args.freeze_head_after:
+        for param in net[2].collect_params().values():
+            param.grad_req = "null"
     rng = np.random.RandomState(1000 * step + rank)  # every worker sees different data
     x = rng.randn(batch * args.devices, 200).astype(np.float32)
     y = rng.randint(0, 10, batch * args.devices)
@@ -47,6 +53,10 @@ for step in range(args.first_step, args.steps):
     for loss in losses:
         loss.backward()
     trainer.step(batch * args.devices)
+    # Read new weights before the store is called again (as an evaluation would): this waits
+    # for the step's replies.
+    net[0].weight.data(contexts[0]).asnumpy()
+    fused_keys.append(getattr(trainer._kvstore, "fused_keys", 0))
     if args.report_loss:
         trainer._kvstore.report_loss(float(sum(l.mean().asscalar() for l in losses)))
 
@@ -60,4 +70,4 @@ weights = np.concatenate([params[name].data(contexts[-1]).asnumpy().ravel()
                           for name in sorted(params.keys())])
 np.save(os.path.join(args.out, f"{args.kvstore}-{rank}.npy"), weights)
 print(f"rank {kv.rank} type {kv.type} update_on_kvstore {trainer._update_on_kvstore} "
-      f"workers {kv.num_workers}", flush=True)
+      f"workers {kv.num_workers} fused keys per step {fused_keys}", flush=True)
