@@ -56,7 +56,8 @@ def one_step(config, shapes, grads, states, merger, step, rank_count):
                 memory, scores, scratch = states[rank]
                 buffers = scratch.setdefault((key, part.index), (
                     np.empty(part.n_elems, np.float32), np.empty(part.n_elems, np.float32)))
-                compensated = memory.compensate((key, part.index), values)
+                compensated = (memory.compensate((key, part.index), values)
+                               if config.error_feedback else values)
                 if blocks.n_blocks > 1:
                     s = score_blocks(scores, (key, part.index), blocks, compensated,
                                      scratch=buffers[0])
@@ -110,20 +111,22 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    config = Config()
+    config = Config.from_env()
     shapes = model_shapes(args.model)
     rng = np.random.default_rng(0)
     grads = [rng.standard_normal(int(np.prod(s))).astype(np.float32) for s in shapes]
     states = [(ResidualMemory(), ContributionState(config.score_alpha), {})
               for _ in range(args.workers)]
-    merger = StepMerger(args.workers, grace_s=0.0, error_feedback=True)
+    merger = StepMerger(args.workers, config.receive_mode, grace_s=0.0,
+                        error_feedback=config.error_feedback)
     times = [one_step(config, shapes, grads, states, merger, step, args.workers)
              for step in range(args.repeat + 1)][1:]
     worker_ms = statistics.median(t[0] for t in times) * 1000
     server_ms = statistics.median(t[1] for t in times) * 1000
     params = sum(g.size for g in grads)
     print(f"{args.model}: {params / 1e6:.1f} M parameters, k={config.threshold}, "
-          f"{args.workers} workers")
+          f"{args.workers} workers, error feedback {'on' if config.error_feedback else 'off'} "
+          "(the defaults; DGT_* variables change them)")
     print(f"worker CPU per step (score, classify, frame): {worker_ms:7.1f} ms")
     print(f"server CPU per step (merge {args.workers} workers, close): {server_ms:7.1f} ms")
     return 0
