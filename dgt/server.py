@@ -87,6 +87,15 @@ class _Optimizer:
         self._updater(part)(key, self.wrap(np.ascontiguousarray(grad)), weight)
         weight.wait_to_read()
 
+    def update_many(self, keys, part: int, weights, grads) -> None:
+        """Several keys in one call: MXNet's updater runs them as multi-tensor operators (as
+        many per call as MXNET_OPTIMIZER_AGGREGATION_SIZE), the same arithmetic per key."""
+        weights = list(weights)
+        self._updater(part)(list(keys), [self.wrap(np.ascontiguousarray(g)) for g in grads],
+                            weights)
+        for weight in weights:
+            weight.wait_to_read()
+
 
 @dataclass(frozen=True)
 class _Bucket:
@@ -473,9 +482,11 @@ class Server:
             if bucket is None:
                 self._optimizer.update(closed.key, closed.part, self._weights[key], closed.merged)
             else:  # each member under its own key: its own states and lr/wd multipliers
-                for member, lo, hi in bucket.spans():
-                    self._optimizer.update(member, 0, self._weights[(member, 0)],
-                                           closed.merged[lo:hi])
+                spans = list(bucket.spans())
+                self._optimizer.update_many(
+                    bucket.keys, 0, [self._weights[(member, 0)] for member in bucket.keys],
+                    [closed.merged[lo:hi] for _, lo, hi in spans])
+                for member, lo, hi in spans:
                     payload[lo:hi] = self._values[(member, 0)]
             flags |= FLAG_WEIGHTS
         else:
