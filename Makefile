@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 DEMO_STEPS ?= 200
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test test-fast demo dataset bench clean
+.PHONY: setup test test-fast demo dataset bench horovod clean
 
 # The venv is (re)built when setup.py changes; otherwise this is a no-op.
 $(VENV)/.installed: setup.py
@@ -40,6 +40,15 @@ demo: setup dataset
 	  --log $(DEMO_DIR)/curve-{model}-{kvstore}.jsonl
 	$(PY) -m dgt.plot $(DEMO_DIR)/curve-alexnet-dgt.jsonl -o $(DEMO_DIR)/plots
 	@echo "plots are in $(DEMO_DIR)/plots"
+
+# Horovod, a peer for benchmarks/compare.py (not a dependency of dgt): built here against the
+# venv's MXNet, CPU only, with Gloo. It needs cmake and g++, and a few minutes on 2 cores.
+horovod: setup
+	$(PY) -m pip install -q wheel psutil pyyaml cloudpickle packaging
+	HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 \
+	  HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 \
+	  $(PY) -m pip install -q --no-build-isolation horovod==0.28.1
+	$(PY) -c "import horovod.mxnet; print('horovod', horovod.__version__, 'ready')"
 
 bench: setup
 	$(PY) benchmarks/loopback.py

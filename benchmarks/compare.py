@@ -13,8 +13,9 @@ data (Fashion-MNIST, IID, the same seeds) and the same step budget, one system a
 * ``dist_sync``     -- MXNet's parameter server;
 * ``dist_sync_2bit``-- the same with 2-bit gradient compression;
 * ``dist_sync_p3``  -- the same with MXNet's P3 priority van;
-* ``horovod``       -- Horovod allreduce, when ``horovod.mxnet`` imports (else reported as
-  not installed).
+* ``horovod``       -- Horovod's ring allreduce over Gloo, when ``horovod.mxnet`` imports
+  (``make horovod`` builds it; else reported as not installed).  It has no server, so its
+  bytes are those of worker 0's link.
 
 Each run is a real training job (``examples/train_<model>.py``) with the server in its own
 namespace and each worker in its own.  Reported per system and model: median and p90 step time,
@@ -139,6 +140,26 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
             children.append(_Child("worker", rank, bed.exec_prefix(f"worker{rank}") + train + [
                 "--kvstore", "dgt"], dict(base, **job, DGT_RANK=str(rank)), out=log))
         return children
+    if system == "horovod":
+        # horovodrun starts its processes over ssh; here each rank runs in its worker's
+        # namespace, so we do what it does: a Gloo rendezvous server (in the server's
+        # namespace, which Horovod does not otherwise use) and Horovod's variables per rank.
+        children.append(_Child("rendezvous", 0, bed.exec_prefix("server") + [
+            sys.executable, os.path.join(HERE, "horovod_rendezvous.py"), str(port),
+            str(args.workers)], base, out=log))
+        time.sleep(2.0)
+        for rank in range(args.workers):
+            node = f"worker{rank}"
+            env = dict(base, HOROVOD_HOSTNAME=node, HOROVOD_RANK=str(rank),
+                       HOROVOD_SIZE=str(args.workers), HOROVOD_LOCAL_RANK="0",
+                       HOROVOD_LOCAL_SIZE="1", HOROVOD_CROSS_RANK=str(rank),
+                       HOROVOD_CROSS_SIZE=str(args.workers),
+                       HOROVOD_GLOO_RENDEZVOUS_ADDR=server_ip,
+                       HOROVOD_GLOO_RENDEZVOUS_PORT=str(port), HOROVOD_CONTROLLER="gloo",
+                       HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="e0")
+            children.append(_Child("worker", rank, bed.exec_prefix(node) + train + [
+                "--kvstore", "horovod"], env, out=log))
+        return children
     kvstore = system
     job = {"DMLC_PS_ROOT_URI": server_ip, "DMLC_PS_ROOT_PORT": str(port),
            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": str(args.workers), "DMLC_INTERFACE": "e0"}
@@ -165,19 +186,19 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
         probe = subprocess.run([sys.executable, "-c", "import horovod.mxnet"],
                                capture_output=True)
         if probe.returncode != 0:
-            row.status = "not installed (pip install horovod with HOROVOD_WITH_MXNET=1)"
+            row.status = "not installed (make horovod)"
             return row
-        row.status = "installed, but this harness does not drive horovodrun yet"
-        return row
     results = args.results_dir
     curve = os.path.join(results, f"{args.name}-{model}-{system}.jsonl")
     log_path = os.path.join(results, f"{args.name}-{model}-{system}.log")
-    before = bed.link_bytes("server")
+    # Allreduce has no server: its busiest links are the workers'.
+    link = "worker0" if system == "horovod" else "server"
+    before = bed.link_bytes(link)
     started = time.perf_counter()
     with open(log_path, "wb") as log:
         children = job_processes(system, bed, args, model, curve, log)
         code = supervise(children, args.run_timeout)
-    after = bed.link_bytes("server")
+    after = bed.link_bytes(link)
     print(f"  {system:15s} {model:10s} exit {code} in {time.perf_counter() - started:.0f} s",
           flush=True)
     if code != 0 or not os.path.exists(curve):

@@ -23,7 +23,7 @@ from mxnet import autograd, gluon
 from data import DatasetMissing, load, partition
 from models import INPUT_SIZE, get_model
 
-KVSTORES = ("dgt", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "local")
+KVSTORES = ("dgt", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod", "local")
 
 
 def build_parser(model: str) -> argparse.ArgumentParser:
@@ -49,7 +49,8 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         help="local steps between two FedAvg averaging rounds")
     parser.add_argument("--kvstore", default="dgt", choices=KVSTORES,
                         help="gradient transport: dgt, MXNet dist_sync (plain, 2-bit "
-                             "compressed, or with the P3 van), or local (single process)")
+                             "compressed, or with the P3 van), Horovod's allreduce (when "
+                             "installed), or local (single process)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over each worker's shard")
     parser.add_argument("--max-steps", type=int, default=0,
                         help="stop after this many steps in all (0: no limit)")
@@ -83,10 +84,33 @@ class Curve:
             self._file.flush()
 
 
+class HorovodJob:
+    """What the training loop needs of a kvstore, for Horovod (which has none in MXNet 1.9)."""
+
+    def __init__(self):
+        try:
+            import horovod.mxnet as hvd
+        except ImportError as exc:
+            raise SystemExit(f"error: --kvstore horovod needs Horovod built with MXNet "
+                             f"(see the README, 'Peers'): {exc}")
+        hvd.init()
+        self.hvd, self.rank, self.num_workers = hvd, hvd.rank(), hvd.size()
+
+    def trainer(self, params, optimizer_params: dict):
+        # Horovod averages gradients where dist_sync sums them: scaling the learning rate by
+        # the number of workers gives both the same update.
+        scaled = dict(optimizer_params,
+                      learning_rate=optimizer_params["learning_rate"] * self.num_workers)
+        self.hvd.broadcast_parameters(params, root_rank=0)
+        return self.hvd.DistributedTrainer(params, "sgd", scaled)
+
+
 def create_kvstore(name: str):
     """(kvstore or None, Trainer compression params)."""
     if name == "local":
         return None, None
+    if name == "horovod":
+        return HorovodJob(), None
     if name == "dgt":
         return mx.kv.create("dgt"), None
     compression = {"type": "2bit", "threshold": 0.5} if name == "dist_sync_2bit" else None
@@ -156,7 +180,11 @@ def train(model: str, argv=None) -> dict:
     with autograd.record():
         net(prepare(dataset.train_x[shard[:2]], size, ctx))
     manual_push_pull = compression is not None
-    if args.algo == "bsp" and not manual_push_pull:
+    if isinstance(kv, HorovodJob):
+        if args.algo != "bsp":
+            raise SystemExit("error: --kvstore horovod supports --algo bsp only")
+        trainer = kv.trainer(net.collect_params(), optimizer_params)
+    elif args.algo == "bsp" and not manual_push_pull:
         trainer = gluon.Trainer(net.collect_params(), "sgd", optimizer_params, kvstore=kv)
     elif args.algo == "bsp":
         # MXNet 1.9.1 refuses compression with pushpull ("Compression not supported with

@@ -4,8 +4,9 @@
     python examples/launch.py -n 2 -- python examples/train_alexnet.py --kvstore dist_sync_p3
 
 ``dgt`` runs dgt's servers; ``dist_sync``, ``dist_sync_2bit`` and ``dist_sync_p3`` run MXNet's
-own scheduler and servers (``dist_sync_p3`` with ``DMLC_PS_VAN_TYPE=p3``); ``local`` runs one
-process.  Everything else is ``dgt-launch``'s (``-s``, ``--timeout``, ...).
+own scheduler and servers (``dist_sync_p3`` with ``DMLC_PS_VAN_TYPE=p3``); ``horovod`` runs
+``horovodrun --gloo`` on this machine (``-n`` workers); ``local`` runs one process.  Everything
+else is ``dgt-launch``'s (``-s``, ``--timeout``, ...).
 """
 import os
 import sys
@@ -35,6 +36,14 @@ def main(argv=None) -> int:
     kvstore = kvstore_of(command)
     if kvstore == "local":
         os.execvp(command[0], command)
+    if kvstore == "horovod":
+        workers = "2"
+        for flag, value in zip(options, options[1:]):
+            if flag in ("-n", "--workers"):
+                workers = value
+        runner = [sys.executable, "-m", "horovod.runner.launch", "--gloo", "-np", workers,
+                  "-H", f"localhost:{workers}", "--network-interface", "lo", *command]
+        os.execvp(runner[0], runner)
     if kvstore.startswith("dist_sync"):
         if kvstore == "dist_sync_p3":
             os.environ["DMLC_PS_VAN_TYPE"] = "p3"
