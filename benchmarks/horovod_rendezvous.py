@@ -14,18 +14,21 @@ import threading
 def main() -> int:
     port, workers = int(sys.argv[1]), int(sys.argv[2])
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-    from horovod.runner.http.http_server import RendezvousServer
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
     plan = get_host_assignments(parse_hosts(",".join(f"worker{r}:1" for r in range(workers))),
                                 workers)
-    server = RendezvousServer(verbose=0)
-    server.start(port=port)
+    # horovodrun's RendezvousServer picks a free port itself; the ranks here must be told the
+    # port before this process could report it, so the HTTP server is built on a given one.
+    server = RendezvousHTTPServer(("", port), RendezvousHandler, 0)
     server.init(plan)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop.wait()
-    server.stop()
+    server.shutdown()
     return 0
 
 

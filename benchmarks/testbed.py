@@ -27,6 +27,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from typing import Dict, List, Optional
 __all__ = ["Testbed", "available", "TestbedUnavailable"]
 
 MTU_FRAME_BYTES = 1514
+NETNS_ETC = "/etc/netns"  # per-namespace /etc files that `ip netns exec` mounts
 
 
 class TestbedUnavailable(RuntimeError):
@@ -149,8 +151,21 @@ class Testbed:
             _run(*inside, "ip", "addr", "add", f"{address}/24", "dev", "e0")
             _run(*inside, "ip", "link", "set", "e0", "up")
             _run(*inside, "ip", "link", "set", "lo", "up")
+            self._write_hosts(node)
             self._shape([], outside)
             self._shape(inside, "e0")
+
+    def hosts_dir(self, node: str) -> str:
+        return os.path.join(NETNS_ETC, self.netns(node))
+
+    def _write_hosts(self, node: str) -> None:
+        """Inside a node, this machine's host name resolves to the node's own address, as on
+        a real cluster (``ip netns exec`` mounts /etc/netns/<ns>/hosts over /etc/hosts).
+        Gloo, under Horovod, finds its address that way for some of its contexts."""
+        os.makedirs(self.hosts_dir(node), exist_ok=True)
+        with open(os.path.join(self.hosts_dir(node), "hosts"), "w") as f:
+            f.write(f"127.0.0.1 localhost\n{self.addresses[node]} {socket.gethostname()} "
+                    f"{node}\n")
 
     def _shape(self, prefix: List[str], dev: str) -> None:
         """HTB with one class per precedence level; see the module docstring."""
@@ -189,6 +204,7 @@ class Testbed:
                 except (ProcessLookupError, ValueError):
                     pass
             _run("ip", "netns", "del", self.netns(node), check=False)
+            shutil.rmtree(self.hosts_dir(node), ignore_errors=True)
         _run("ip", "link", "del", self.bridge, check=False)
 
     # -- measurements -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """The emulated network (root only): rate shaping, priority, loss, clean teardown."""
+import os
 import subprocess
 import sys
 import time
@@ -75,10 +76,23 @@ def test_low_priority_udp_yields_to_the_reliable_class_and_is_dropped():
     assert classes["1:10"]["dropped"] == 0, classes  # the reliable class lost none
 
 
+def test_each_node_resolves_this_hosts_name_to_its_own_address():
+    with Testbed(["x", "y"], rate_mbit=50) as bed:
+        for node in bed.nodes:
+            resolved = subprocess.run(
+                bed.exec_prefix(node) + [sys.executable, "-c",
+                                         "import socket; print(socket.gethostbyname("
+                                         "socket.gethostname()))"],
+                capture_output=True, text=True, check=True).stdout.strip()
+            assert resolved == bed.addresses[node]
+
+
 def test_teardown_leaves_nothing_behind():
     with Testbed(["x", "y"], rate_mbit=50) as bed:
         names = [bed.netns(n) for n in bed.nodes]
+        hosts_dirs = [bed.hosts_dir(n) for n in bed.nodes]
         bridge = bed.bridge
+    assert not any(os.path.exists(d) for d in hosts_dirs)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names)
     links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
