@@ -154,7 +154,9 @@ class StepMerger:
             return None
         return state
 
-    def _open(self, state: _PartState, step: int) -> _OpenStep:
+    def _open(self, state: _PartState, step: int, zero: bool = True) -> _OpenStep:
+        """The open step ``step`` of a part, created if needed; a new accumulator is zeroed
+        unless ``zero`` is False (the caller then fills all of it, see :meth:`add_push`)."""
         open_step = state.steps.get(step)
         if open_step is None:
             lay = state.layout
@@ -163,7 +165,7 @@ class StepMerger:
             if acc is None:
                 acc = np.zeros(lay.blocks.padded_elems,
                                dtype=_accumulator_dtype(code_dtype(state.spec.dtype_code)))
-            else:
+            elif zero:
                 acc.fill(0)
             open_step = _OpenStep(
                 step=step,
@@ -204,23 +206,32 @@ class StepMerger:
             raise RemoteProtocolError(
                 f"PUSH payload frames ({[c.size for c in chunks]} elements) do not match its "
                 f"{len(blocks)} blocks")
-        open_step = self._open(state, header.step)
-        if open_step.pushed[rank]:
-            raise RemoteProtocolError(
-                f"second PUSH of key {header.key}.{header.part} step {header.step} from "
-                f"worker {rank}")
         max_udp = int(state.layout.n_slots)
         if header.udp_expected > max_udp:
             raise RemoteProtocolError(f"PUSH announces {header.udp_expected} datagrams, the "
                                       f"part has {max_udp} fragment slots")
+        # Nothing below refuses a push that opens its step, whose accumulator is then filled
+        # without being zeroed first.
+        fresh = header.step not in state.steps
+        open_step = self._open(state, header.step, zero=not fresh)
+        if open_step.pushed[rank]:
+            raise RemoteProtocolError(
+                f"second PUSH of key {header.key}.{header.part} step {header.step} from "
+                f"worker {rank}")
         # A UDP fragment of a block that the same worker also sent reliably would be counted
         # twice; only a broken or hostile sender does that.
         open_step.reliable[rank, blocks] = True
         dup = open_step.received[rank].reshape(layout.n_blocks, -1)[blocks]
         if dup.any():
             raise RemoteProtocolError("PUSH repeats blocks that already arrived over UDP")
-        for group, chunk in zip(groups, chunks):
-            layout.scatter_add_(open_step.acc, group, chunk)
+        if fresh:  # the first data of the step: write, and zero the gaps, in one pass
+            position = 0
+            for group, chunk in zip(groups, chunks):
+                position = layout.scatter_set_(open_step.acc, group, chunk, position)
+            open_step.acc[position:] = 0
+        else:
+            for group, chunk in zip(groups, chunks):
+                layout.scatter_add_(open_step.acc, group, chunk)
         open_step.pushed[rank] = True
         if open_step.first_push_time is None:
             open_step.first_push_time = now

@@ -132,6 +132,15 @@ class BlockLayout:
             result[n_rows:] = flat[n_full:]
         return result
 
+    def _runs(self, blocks: np.ndarray):
+        """``(start, stop)`` element ranges of the runs of consecutive ``blocks``."""
+        breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+        firsts = [0, *breaks.tolist()]
+        lasts = [*breaks.tolist(), len(blocks)]
+        for first, last in zip(firsts, lasts):
+            yield (int(blocks[first]) * self.block_elems,
+                   min(int(blocks[last - 1] + 1) * self.block_elems, self.n_elems))
+
     def scatter_add_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray) -> None:
         """Inverse of :meth:`gather`: add ``payload`` into ``padded`` (``padded_elems`` long).
 
@@ -139,16 +148,25 @@ class BlockLayout:
         index would gather, add and scatter (measured 2.3x slower on a 4 MB part)."""
         if not len(blocks):
             return
-        breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
-        firsts = [0, *breaks.tolist()]
-        lasts = [*breaks.tolist(), len(blocks)]
         offset = 0
-        for first, last in zip(firsts, lasts):
-            start = int(blocks[first]) * self.block_elems
-            stop = min(int(blocks[last - 1] + 1) * self.block_elems, self.n_elems)
-            size = stop - start
-            padded[start:stop] += payload[offset:offset + size]
-            offset += size
+        for start, stop in self._runs(blocks):
+            padded[start:stop] += payload[offset:offset + stop - start]
+            offset += stop - start
+
+    def scatter_set_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray,
+                     zero_from: int = 0) -> int:
+        """Write ``payload`` into ``padded`` at ``blocks`` and zeros between them, from element
+        ``zero_from`` on; returns where the last run ends.  Equal to zeroing ``padded`` and
+        :meth:`scatter_add_`, in one pass over memory instead of three (the first push of a
+        step fills the accumulator this way; zero the rest from the returned position)."""
+        position = zero_from
+        offset = 0
+        for start, stop in (self._runs(blocks) if len(blocks) else ()):
+            padded[position:start] = 0
+            padded[start:stop] = payload[offset:offset + stop - start]
+            offset += stop - start
+            position = stop
+        return position
 
     def chunk_blocks(self, blocks: np.ndarray, chunk_elems: int) -> List[np.ndarray]:
         """Split ascending ``blocks`` into groups of whole blocks of at most ``chunk_elems``

@@ -35,6 +35,17 @@ def test_each_model_trains_a_few_steps(model, kvstore, tmp_path):
     assert records, "rank 0 wrote no summary"
 
 
+def test_horovod_baseline_trains_identical_replicas(tmp_path):
+    pytest.importorskip("mxnet")
+    pytest.importorskip("horovod.mxnet", reason="needs Horovod built with MXNet (make horovod)")
+    params = tmp_path / "params-{rank}.npy"
+    out = run_example("alexnet", "horovod", "--dataset", "synthetic", "--max-steps", "3",
+                      "--batch-size", "8", "--eval-samples", "32", "--save-params", str(params))
+    assert "kvstore horovod, 2 workers" in out
+    np.testing.assert_array_equal(np.load(str(params).format(rank=0)),
+                                  np.load(str(params).format(rank=1)))
+
+
 def test_fedavg_keeps_replicas_identical_after_each_round(tmp_path):
     pytest.importorskip("mxnet")
     params = tmp_path / "params-{rank}.npy"

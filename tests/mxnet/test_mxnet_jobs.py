@@ -44,6 +44,7 @@ def test_gluon_dgt_all_reliable_equals_dist_sync(tmp_path, extra, fusion):
     assert ("fused keys per step [0, 6, 6," in stdout) == fusion, stdout[-2000:]
     _, (m0, m1) = launch("gluon_job.py", tmp_path, "dist_sync", *extra, backend="mxnet")
     np.testing.assert_array_equal(d0, d1)
+    np.testing.assert_array_equal(m0, m1)
     np.testing.assert_allclose(d0, m0, rtol=1e-5, atol=1e-6)
 
 

@@ -30,6 +30,28 @@ def test_gather_then_scatter_restores_the_chosen_blocks(rng):
     assert not padded[:5000][~mask].any()
 
 
+@pytest.mark.parametrize("n", [5000, 4992])  # last block short / full
+def test_scatter_set_in_chunks_equals_zeroing_then_adding(rng, n):
+    layout = BlockLayout(n, 64)
+    flat = rng.standard_normal(n).astype(np.float32)
+    for chosen in (np.sort(rng.choice(layout.n_blocks, 40, replace=False)),
+                   np.arange(layout.n_blocks), np.array([], dtype=np.int64),
+                   np.array([layout.n_blocks - 1])):
+        payload = layout.gather(flat, chosen)
+        expected = np.zeros(layout.padded_elems, np.float32)
+        layout.scatter_add_(expected, chosen, payload)
+        padded = np.full(layout.padded_elems, np.nan, np.float32)  # garbage to overwrite
+        groups = layout.chunk_blocks(chosen, 64 * 7) if len(chosen) else [chosen]
+        position, offset = 0, 0
+        for group in groups:
+            size = layout.payload_elems(group)
+            position = layout.scatter_set_(padded, group, payload[offset:offset + size],
+                                           position)
+            offset += size
+        padded[position:] = 0
+        np.testing.assert_array_equal(padded, expected)
+
+
 def test_gather_without_last_block_and_empty(rng):
     layout = BlockLayout(300, 100)
     flat = np.arange(300, dtype=np.float32)
