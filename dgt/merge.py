@@ -323,7 +323,10 @@ class StepMerger:
         open_step = self._open(state, step)
         fresh &= ~open_step.received[rank, slots] & ~open_step.reliable[rank, blocks]
         open_step.received[rank, slots[fresh]] = True
-        self._add_rows(open_step, layout, slots[fresh], rows[fresh], lengths[fresh])
+        if fresh.all():  # the usual case: no copy of the rows
+            self._add_rows(open_step, layout, slots, rows, lengths)
+        else:
+            self._add_rows(open_step, layout, slots[fresh], rows[fresh], lengths[fresh])
         tally(Outcome.MERGED, int(fresh.sum()))
         tally(Outcome.DUPLICATE, count - int(fresh.sum()))
         self._candidates.add((header.key, header.part, step))
@@ -336,8 +339,10 @@ class StepMerger:
         starts, stops = layout.slot_ranges(slots)
         fe = layout.frag_elems
         whole = (stops - starts == fe) & (starts % fe == 0) & (lengths == fe)
-        if whole.any():  # rows of full fragments: one vectorised add (slots are unique)
-            acc_rows = open_step.acc[:(open_step.acc.size // fe) * fe].reshape(-1, fe)
+        acc_rows = open_step.acc[:(open_step.acc.size // fe) * fe].reshape(-1, fe)
+        if whole.all():  # rows of full fragments: one vectorised add (slots are unique)
+            acc_rows[starts // fe] += rows[:, :fe]
+        elif whole.any():
             acc_rows[starts[whole] // fe] += rows[whole, :fe]
         for i in np.flatnonzero(~whole).tolist():
             start, stop = int(starts[i]), int(stops[i])
