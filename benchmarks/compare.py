@@ -113,8 +113,14 @@ def measure_compute(model: str, batch: int) -> Optional[float]:
         os.remove(path)
 
 
+def server_nodes(count: int) -> List[str]:
+    """Testbed node names of the servers: ``server``, ``server1``, ..."""
+    return ["server"] + [f"server{i}" for i in range(1, count)]
+
+
 def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) -> List[_Child]:
     server_ip = bed.addresses["server"]
+    servers = server_nodes(args.servers)
     port = 9100 + random.randrange(800)
     base = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for key in [k for k in base if k.startswith(("DGT_", "DMLC_"))]:
@@ -127,15 +133,18 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
         train += ["--eval-every", str(args.eval_every)]
     children = []
     if system.startswith("dgt"):
-        job = {"DGT_NUM_WORKERS": str(args.workers), "DGT_SERVER_ADDRS": f"{server_ip}:{port}",
-               "DGT_JOB_ID": str(random.randrange(1, 2 ** 31)),
+        addrs = ",".join(f"{bed.addresses[node]}:{port}" for node in servers)
+        job = {"DGT_NUM_WORKERS": str(args.workers), "DGT_NUM_SERVERS": str(len(servers)),
+               "DGT_SERVER_ADDRS": addrs, "DGT_JOB_ID": str(random.randrange(1, 2 ** 31)),
                "DGT_TIMEOUT_S": "600"}
         if system == "dgt-reliable":
             job["DGT_ENABLE"] = "0"
         job.update(args.dgt_env)
-        children.append(_Child("server", 0, bed.exec_prefix("server") + [
-            sys.executable, "-m", "dgt.server"], dict(base, **job, DGT_ROLE="server",
-                                                      DGT_BIND_HOST="0.0.0.0"), out=log))
+        for index, node in enumerate(servers):
+            children.append(_Child("server", index, bed.exec_prefix(node) + [
+                sys.executable, "-m", "dgt.server"], dict(
+                    base, **job, DGT_ROLE="server", DGT_SERVER_INDEX=str(index),
+                    DGT_BIND_HOST="0.0.0.0"), out=log))
         for rank in range(args.workers):
             children.append(_Child("worker", rank, bed.exec_prefix(f"worker{rank}") + train + [
                 "--kvstore", "dgt"], dict(base, **job, DGT_RANK=str(rank)), out=log))
@@ -162,15 +171,17 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
         return children
     kvstore = system
     job = {"DMLC_PS_ROOT_URI": server_ip, "DMLC_PS_ROOT_PORT": str(port),
-           "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": str(args.workers), "DMLC_INTERFACE": "e0"}
+           "DMLC_NUM_SERVER": str(len(servers)), "DMLC_NUM_WORKER": str(args.workers),
+           "DMLC_INTERFACE": "e0"}
     if system == "dist_sync_p3":
         job["DMLC_PS_VAN_TYPE"] = "p3"
     start = [sys.executable, "-c", "import mxnet"]
     children.append(_Child("scheduler", 0, bed.exec_prefix("server") + start, dict(
         base, **job, DMLC_ROLE="scheduler", DMLC_NODE_HOST=server_ip), out=log))
     time.sleep(1.0)
-    children.append(_Child("server", 0, bed.exec_prefix("server") + start, dict(
-        base, **job, DMLC_ROLE="server", DMLC_NODE_HOST=server_ip), out=log))
+    for index, node in enumerate(servers):
+        children.append(_Child("server", index, bed.exec_prefix(node) + start, dict(
+            base, **job, DMLC_ROLE="server", DMLC_NODE_HOST=bed.addresses[node]), out=log))
     for rank in range(args.workers):
         node = f"worker{rank}"
         children.append(_Child("worker", rank, bed.exec_prefix(node) + train + [
@@ -192,13 +203,13 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     curve = os.path.join(results, f"{args.name}-{model}-{system}.jsonl")
     log_path = os.path.join(results, f"{args.name}-{model}-{system}.log")
     # Allreduce has no server: its busiest links are the workers'.
-    link = "worker0" if system == "horovod" else "server"
-    before = bed.link_bytes(link)
+    links = ["worker0"] if system == "horovod" else server_nodes(args.servers)
+    before = {link: bed.link_bytes(link) for link in links}
     started = time.perf_counter()
     with open(log_path, "wb") as log:
         children = job_processes(system, bed, args, model, curve, log)
         code = supervise(children, args.run_timeout)
-    after = bed.link_bytes(link)
+    after = {link: bed.link_bytes(link) for link in links}
     print(f"  {system:15s} {model:10s} exit {code} in {time.perf_counter() - started:.0f} s",
           flush=True)
     if code != 0 or not os.path.exists(curve):
@@ -213,9 +224,11 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     row.time_to_target_s = measured["time_to_target_s"]
     if row.step_time_s:
         row.throughput_samples_s = args.workers * args.batch_size / row.step_time_s
-    received, sent = after["rx"] - before["rx"], after["tx"] - before["tx"]
-    row.bytes_per_step = (received + sent) / max(row.steps, 1)
-    bottleneck_s = max(received, sent) / max(row.steps, 1) * 8 / (args.rate * 1e6)
+    moved = {link: (after[link]["rx"] - before[link]["rx"], after[link]["tx"] - before[link]["tx"])
+             for link in links}
+    row.bytes_per_step = sum(rx + tx for rx, tx in moved.values()) / max(row.steps, 1)
+    busiest = max(max(rx, tx) for rx, tx in moved.values())
+    bottleneck_s = busiest / max(row.steps, 1) * 8 / (args.rate * 1e6)
     row.compute_s = compute
     row.lower_bound_s = max(compute or 0.0, bottleneck_s)
     return row
@@ -247,10 +260,12 @@ def write_reports(rows: List[Row], args, machine: str) -> List[str]:
 
 
 def markdown(rows: List[Row], args, machine: str) -> str:
-    lines = [f"Run `{args.name}`: {args.workers} workers + 1 server, links {args.rate:g} Mbit/s, "
+    servers = getattr(args, "servers", 1)
+    lines = [f"Run `{args.name}`: {args.workers} workers + {servers} server"
+             f"{'s' if servers > 1 else ''}, links {args.rate:g} Mbit/s, "
              f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST. {machine}", "",
              "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
-             "(server link) | UDP loss | time to target s | final acc | lower bound s | status |",
+             "(server links) | UDP loss | time to target s | final acc | lower bound s | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
     for r in rows:
@@ -325,6 +340,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="alexnet,vgg11,googlenet")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--servers", type=int, default=1,
+                        help="parameter servers, each on its own link (dgt and MXNet)")
     parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -353,7 +370,7 @@ def main(argv=None) -> int:
                f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
                f"Python {sys.version.split()[0]}.")
     rows = []
-    nodes = ["server"] + [f"worker{r}" for r in range(args.workers)]
+    nodes = server_nodes(args.servers) + [f"worker{r}" for r in range(args.workers)]
     with Testbed(nodes, rate_mbit=args.rate) as bed:
         for model in args.models.split(","):
             compute = measure_compute(model, args.batch_size)
