@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

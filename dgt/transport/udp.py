@@ -10,7 +10,7 @@ import errno
 import logging
 import socket
 import struct
-from typing import Iterator, List, Tuple
+from typing import List, Tuple
 
 import numpy as np
 
