@@ -22,7 +22,7 @@ from typing import Callable, Dict, Sequence
 
 from mxnet.base import _LIB, check_call
 
-__all__ = ["push_async", "host_view"]
+__all__ = ["push_async", "host_view", "sum_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +49,12 @@ class Completion:
     """Tell the engine that one asynchronous operator finished.  Call it exactly once, from any
     thread."""
 
-    __slots__ = ("_callback", "_engine", "_param", "_done", "name")
+    __slots__ = ("_callback", "_engine", "_param", "_done")
 
-    def __init__(self, handle: _CallbackOnComplete, name: str):
+    def __init__(self, handle: _CallbackOnComplete):
         self._callback = _ON_COMPLETE_FUNC(handle.callback)
         self._engine, self._param = handle.engine, handle.param
         self._done = False
-        self.name = name
 
     def __call__(self) -> None:
         if self._done:
@@ -74,7 +73,7 @@ def _run(run_context, on_complete, param) -> None:
     with _bodies_lock:
         body = _bodies.pop(param)
     handle = ctypes.cast(on_complete, ctypes.POINTER(_CallbackOnComplete)).contents
-    completion = Completion(handle, getattr(body, "__name__", "dgt"))
+    completion = Completion(handle)
     try:
         body(completion)
     except BaseException:  # noqa: BLE001 - the engine must hear back, or every reader hangs
@@ -125,3 +124,14 @@ def host_view(array, numpy_dtype):
     count = int(np.prod(array.shape))
     buffer = (ctypes.c_byte * (count * np.dtype(numpy_dtype).itemsize)).from_address(pointer.value)
     return np.frombuffer(buffer, dtype=numpy_dtype, count=count)
+
+
+def sum_into(values: Sequence, target) -> None:
+    """Enqueue ``target = sum(values)`` (one device's gradient, or several devices' summed):
+    engine copies, which wait for backward and reorder MKLDNN layouts into ``target``'s."""
+    import mxnet as mx
+
+    if len(values) == 1:
+        values[0].copyto(target)
+    else:
+        mx.nd.add_n(*[a.as_in_context(target.context) for a in values], out=target)

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..fusion import Bucket, Slot
 from ..worker import Pending, Worker
-from .engine import Completion, host_view, push_async
+from .engine import Completion, host_view, push_async, sum_into
 
 __all__ = ["Fuser", "STALL_S"]
 
@@ -138,11 +138,7 @@ class Fuser:
                 push_async(round_.own_receive_buffer, reads=[], writes=[buffers.recv],
                            priority=priority, name="dgt_fused_receive")
                 self._start_watchdog()
-        target = buffers.send_views[slot.index]
-        if len(values) == 1:
-            values[0].copyto(target)
-        else:
-            mx.nd.add_n(*[a.as_in_context(target.context) for a in values], out=target)
+        sum_into(values, buffers.send_views[slot.index])
         round_.collected.append(slot.index)
         for out in outs:
             buffers.recv_views[slot.index].copyto(out)

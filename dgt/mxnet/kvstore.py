@@ -34,7 +34,7 @@ from ..config import Config
 from ..errors import LocalProtocolError
 from ..fusion import FUSED_KEY_BASE, Call, FusionPlanner, Slot
 from ..worker import Pending, Worker
-from .engine import host_view, push_async
+from .engine import host_view, push_async, sum_into
 from .fused import Fuser
 
 __all__ = ["DGT"]
@@ -137,13 +137,7 @@ class DGT(KVStoreBase):
                 self._fuser.pushpull(slot, values, outs, self._worker.begin(key_id), priority)
                 continue
             buffers = self._buffers_for(key_id, values[0])
-            # Engine copies: they wait for backward, and reorder MKLDNN layouts, which the
-            # numpy views of our own buffers never see.
-            if len(values) == 1:
-                values[0].copyto(buffers.send)
-            else:
-                mx.nd.add_n(*[a.as_in_context(buffers.send.context) for a in values],
-                            out=buffers.send)
+            sum_into(values, buffers.send)
             stats = self._worker.begin(key_id)  # program order, for the step statistics
             push_async(functools.partial(self._exchange, key_id, buffers, stats),
                        reads=[buffers.send], writes=[buffers.recv], priority=priority)

@@ -52,7 +52,7 @@ def test_fusion_survives_a_step_that_pushes_fewer_keys(tmp_path):
     """Freezing the last layer removes the bucket's last members.  The job reads new weights
     before it calls the store again, so only the watchdog can send the round they leave open
     (member by member); fusion stops, and training matches dist_sync doing the same."""
-    extra = ("--steps", "8", "--freeze-head-after", "4")
+    extra = ("--steps", "8", "--freeze-head-after", "4", "--read-weights")
     started = time.monotonic()
     stdout, (d0, d1) = launch("gluon_job.py", tmp_path, "dgt", *extra, env={"DGT_ENABLE": "0"})
     assert time.monotonic() - started >= STALL_S  # the watchdog, not a later call, sent it

@@ -17,6 +17,8 @@ parser.add_argument("--update-on-kvstore", choices=("auto", "0", "1"), default="
 parser.add_argument("--report-loss", action="store_true")
 parser.add_argument("--first-step", type=int, default=0, help="resume: load --states first")
 parser.add_argument("--states", default="", help="trainer states + parameters file prefix")
+parser.add_argument("--read-weights", action="store_true",
+                    help="read new weights after every step, before the next store call")
 parser.add_argument("--freeze-head-after", type=int, default=0,
                     help="from this step on, the last layer is frozen (fewer keys per step)")
 args = parser.parse_args()
@@ -53,9 +55,10 @@ for step in range(args.first_step, args.steps):
     for loss in losses:
         loss.backward()
     trainer.step(batch * args.devices)
-    # Read new weights before the store is called again (as an evaluation would): this waits
-    # for the step's replies.
-    net[0].weight.data(contexts[0]).asnumpy()
+    if args.read_weights:
+        # Read new weights before the store is called again (as an evaluation would): this
+        # waits for the step's replies.
+        net[0].weight.data(contexts[0]).asnumpy()
     fused_keys.append(getattr(trainer._kvstore, "fused_keys", 0))
     if args.report_loss:
         trainer._kvstore.report_loss(float(sum(l.mean().asscalar() for l in losses)))
