@@ -83,13 +83,10 @@ class _Optimizer:
         for part, states in pickle.loads(blob).items():  # trusted: the job's own saved file
             self._updater(part).set_states(states)
 
-    def update(self, key: int, part: int, weight, grad: np.ndarray) -> None:
-        self._updater(part)(key, self.wrap(np.ascontiguousarray(grad)), weight)
-        weight.wait_to_read()
-
-    def update_many(self, keys, part: int, weights, grads) -> None:
-        """Several keys in one call: MXNet's updater runs them as multi-tensor operators (as
-        many per call as MXNET_OPTIMIZER_AGGREGATION_SIZE), the same arithmetic per key."""
+    def update(self, keys, part: int, weights, grads) -> None:
+        """Update the weights of ``keys`` in one call: MXNet's updater runs several keys as
+        multi-tensor operators (MXNET_OPTIMIZER_AGGREGATION_SIZE per call), the same
+        arithmetic per key as one by one."""
         weights = list(weights)
         self._updater(part)(list(keys), [self.wrap(np.ascontiguousarray(g)) for g in grads],
                             weights)
@@ -480,10 +477,11 @@ class Server:
         if self._optimizer is not None:
             payload = self._values[key]
             if bucket is None:
-                self._optimizer.update(closed.key, closed.part, self._weights[key], closed.merged)
+                self._optimizer.update([closed.key], closed.part, [self._weights[key]],
+                                       [closed.merged])
             else:  # each member under its own key: its own states and lr/wd multipliers
                 spans = list(bucket.spans())
-                self._optimizer.update_many(
+                self._optimizer.update(
                     bucket.keys, 0, [self._weights[(member, 0)] for member in bucket.keys],
                     [closed.merged[lo:hi] for _, lo, hi in spans])
                 for member, lo, hi in spans:

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Sequence
 
 from mxnet.base import _LIB, check_call
 
-__all__ = ["push_async", "host_view", "sum_into"]
+__all__ = ["HostBuffers", "push_async", "host_view", "sum_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +135,19 @@ def sum_into(values: Sequence, target) -> None:
         values[0].copyto(target)
     else:
         mx.nd.add_n(*[a.as_in_context(target.context) for a in values], out=target)
+
+
+class HostBuffers:
+    """A send and a receive buffer of one shape: our own default-layout CPU NDArrays, so an
+    engine operator can touch them through numpy views (``send_host``, ``recv_host``, flat)."""
+
+    def __init__(self, shape, dtype):
+        import mxnet as mx
+
+        self.send = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
+        self.recv = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
+        self.send_host = host_view(self.send, self.send.dtype)
+        self.recv_host = host_view(self.recv, self.recv.dtype)
+
+    def fits(self, like) -> bool:
+        return self.send.shape == like.shape and self.send.dtype == like.dtype

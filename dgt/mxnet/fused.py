@@ -27,12 +27,11 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-import mxnet as mx
 import numpy as np
 
 from ..fusion import Bucket, Slot
 from ..worker import Pending, Worker
-from .engine import Completion, host_view, push_async, sum_into
+from .engine import Completion, HostBuffers, push_async, sum_into
 
 __all__ = ["Fuser", "STALL_S"]
 
@@ -41,20 +40,14 @@ STALL_S = 5.0  # seconds an open round may wait for its last member
 logger = logging.getLogger(__name__)
 
 
-class _BucketBuffers:
-    """A bucket's send and receive buffers, and each member's views of them."""
+class _BucketBuffers(HostBuffers):
+    """A bucket's flat send and receive buffers, and each member's views of them."""
 
     def __init__(self, bucket: Bucket, shapes: List[tuple], dtype):
-        n = bucket.n_elems
-        self.send = mx.nd.empty((n,), ctx=mx.cpu(), dtype=dtype)
-        self.recv = mx.nd.empty((n,), ctx=mx.cpu(), dtype=dtype)
-        self.send_host = host_view(self.send, self.send.dtype)
-        self.recv_host = host_view(self.recv, self.recv.dtype)
-        offsets = bucket.offsets
-        self.send_views = [self.send[lo:hi].reshape(shape)
-                           for lo, hi, shape in zip(offsets[:-1], offsets[1:], shapes)]
-        self.recv_views = [self.recv[lo:hi].reshape(shape)
-                           for lo, hi, shape in zip(offsets[:-1], offsets[1:], shapes)]
+        super().__init__((bucket.n_elems,), dtype)
+        spans = list(zip(bucket.offsets[:-1], bucket.offsets[1:], shapes))
+        self.send_views = [self.send[lo:hi].reshape(shape) for lo, hi, shape in spans]
+        self.recv_views = [self.recv[lo:hi].reshape(shape) for lo, hi, shape in spans]
 
 
 class _Round:
@@ -144,8 +137,11 @@ class Fuser:
             buffers.recv_views[slot.index].copyto(out)
         if slot.last:
             with self._open_lock:
-                del self._open[bucket.key]
-            self._seal(round_, priority)
+                ours = self._open.get(bucket.key) is round_
+                if ours:
+                    del self._open[bucket.key]
+            if ours:  # else the watchdog sent it already
+                self._seal(round_, priority)
 
     def flush(self) -> None:
         """Seal every open round now (its members travel one by one)."""

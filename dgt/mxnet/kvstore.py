@@ -34,29 +34,12 @@ from ..config import Config
 from ..errors import LocalProtocolError
 from ..fusion import FUSED_KEY_BASE, Call, FusionPlanner, Slot
 from ..worker import Pending, Worker
-from .engine import host_view, push_async, sum_into
+from .engine import HostBuffers, push_async, sum_into
 from .fused import Fuser
 
 __all__ = ["DGT"]
 
 logger = logging.getLogger(__name__)
-
-class _KeyBuffers:
-    """A key's host arrays, reused every step: the gradient (summed over the local devices)
-    goes out of ``send``, the reply lands in ``recv``.  Both are our own default-layout CPU
-    NDArrays, so the engine operator can touch them through numpy views (``*_view``)."""
-
-    __slots__ = ("send", "recv", "send_view", "recv_view")
-
-    def __init__(self, like):
-        self.send = mx.nd.empty(like.shape, ctx=mx.cpu(), dtype=like.dtype)
-        self.recv = mx.nd.empty(like.shape, ctx=mx.cpu(), dtype=like.dtype)
-        self.send_view = host_view(self.send, self.send.dtype)
-        self.recv_view = host_view(self.recv, self.recv.dtype)
-
-    def fits(self, like) -> bool:
-        return self.send.shape == like.shape and self.send.dtype == like.dtype
-
 
 def _wrap(result: np.ndarray, shape) -> "mx.nd.NDArray":
     """A CPU NDArray over ``result``'s memory (no copy).  Copying it into the target is an
@@ -87,7 +70,7 @@ class DGT(KVStoreBase):
         self._worker = Worker(self._config)
         self._key_ids: Dict[str, int] = {}
         self._pushed: Dict[int, Pending] = {}
-        self._buffers: Dict[int, _KeyBuffers] = {}
+        self._buffers: Dict[int, HostBuffers] = {}
         self._planner = FusionPlanner(self._config.fusion_elems, self._worker.server_of)
         self._shapes: Dict[int, tuple] = {}
         self._fuser = Fuser(self._worker, self._remember_error, self._stop_fusion)
@@ -144,12 +127,12 @@ class DGT(KVStoreBase):
             for target in outs:
                 buffers.recv.copyto(target)
 
-    def _exchange(self, key_id: int, buffers: _KeyBuffers, stats, completion) -> None:
+    def _exchange(self, key_id: int, buffers: HostBuffers, stats, completion) -> None:
         """The engine operator of one pushpull: hand the gradient to the worker and complete
         when the reply is in ``buffers.recv`` (on the I/O thread, or at the timeout)."""
         try:
-            pending = self._worker.pushpull(key_id, buffers.send_view, stats,
-                                            out=buffers.recv_view)
+            pending = self._worker.pushpull(key_id, buffers.send_host, stats,
+                                            out=buffers.recv_host)
         except Exception as exc:  # noqa: BLE001 - raised by the next kvstore call
             self._remember_error(exc)
             completion()
@@ -276,10 +259,10 @@ class DGT(KVStoreBase):
             return 0
         return sum(len(bucket.members) for bucket in self._planner.buckets)
 
-    def _buffers_for(self, key_id: int, like) -> _KeyBuffers:
+    def _buffers_for(self, key_id: int, like) -> HostBuffers:
         buffers = self._buffers.get(key_id)
         if buffers is None or not buffers.fits(like):
-            buffers = _KeyBuffers(like)
+            buffers = HostBuffers(like.shape, like.dtype)
             self._buffers[key_id] = buffers
         return buffers
 

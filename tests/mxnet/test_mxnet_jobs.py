@@ -42,10 +42,20 @@ def test_gluon_dgt_all_reliable_equals_dist_sync(tmp_path, extra, fusion):
     stdout, (d0, d1) = launch("gluon_job.py", tmp_path, "dgt", *extra, env=env)
     # The job's six tensors are small: after the first step they travel as one bucket.
     assert ("fused keys per step [0, 6, 6," in stdout) == fusion, stdout[-2000:]
-    _, (m0, m1) = launch("gluon_job.py", tmp_path, "dist_sync", *extra, backend="mxnet")
     np.testing.assert_array_equal(d0, d1)
-    np.testing.assert_array_equal(m0, m1)
+    m0 = consistent_dist_sync(tmp_path, extra)
     np.testing.assert_allclose(d0, m0, rtol=1e-5, atol=1e-6)
+
+
+def consistent_dist_sync(tmp_path, extra, attempts=3):
+    """The dist_sync baseline's weights.  MXNet's dist_sync with worker-side updates sometimes
+    ends with two replicas that differ (seen in about 1 run in 4, in the last layer): such a
+    run is no oracle, so it is run again."""
+    for _ in range(attempts):
+        _, (m0, m1) = launch("gluon_job.py", tmp_path, "dist_sync", *extra, backend="mxnet")
+        if np.array_equal(m0, m1):
+            return m0
+    pytest.fail(f"MXNet dist_sync gave inconsistent replicas in {attempts} runs")
 
 
 def test_fusion_survives_a_step_that_pushes_fewer_keys(tmp_path):
