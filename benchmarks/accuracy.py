@@ -1,0 +1,144 @@
+"""Final test accuracy over several seeds: dgt's receive-side settings against ``dist_sync``.
+
+    python benchmarks/accuracy.py [--model alexnet] [--steps 200] [--seeds 0,1,2] \
+        [--udp-drop 0.9] [--variants dgt,dgt-ef,dist_sync] [--name NAME]
+
+One accuracy after a short run moves by several points from seed to seed, more than the
+differences between receive modes, so a default is chosen on the mean over seeds.  Each run is
+``examples/launch.py -n 2 -- python examples/train_<model>.py`` on localhost (2 workers, 1
+server) with the seed for data, initialisation and loss injection; dgt's variants run with
+seeded UDP loss at the sender (``DGT_UDP_DROP``; the testbed's low-priority queues lost about
+90 % of the datagrams in the AlexNet runs), on top of whatever localhost loses itself.  The
+accuracy is measured once, at the end, on the whole test set.
+
+Writes ``benchmarks/results/<name>.csv`` (one row per run) and ``<name>.md`` (mean and spread
+per variant, and the gap to ``dist_sync``'s mean).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# variant -> (kvstore flag of the example, DGT_* settings on top of the defaults)
+VARIANTS = {
+    "dist_sync": ("dist_sync", {}),
+    "dgt": ("dgt", {}),
+    "dgt-ef": ("dgt", {"DGT_ERROR_FEEDBACK": "1"}),
+    "dgt-noef": ("dgt", {"DGT_ERROR_FEEDBACK": "0"}),
+    "dgt-diff": ("dgt", {"DGT_RECEIVE_MODE": "diff", "DGT_ERROR_FEEDBACK": "0"}),
+    "dgt-rescale": ("dgt", {"DGT_RECEIVE_MODE": "rescale", "DGT_ERROR_FEEDBACK": "0"}),
+    "dgt-reliable": ("dgt", {"DGT_ENABLE": "0"}),
+    "dgt-kmin50": ("dgt", {"DGT_THRESHOLD_MIN": "0.5"}),
+    "dgt-fixed-k": ("dgt", {"DGT_ADAPTIVE": "0"}),
+}
+COLUMNS = ("variant", "model", "seed", "steps", "udp_drop", "accuracy", "final_loss",
+           "udp_loss_rate", "wall_s")
+
+
+def run_one(variant: str, seed: int, args, tmp: str) -> dict:
+    kvstore, settings = VARIANTS[variant]
+    log = os.path.join(tmp, f"{variant}-{seed}.jsonl")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DGT_")}
+    if kvstore == "dgt":
+        env.update(settings, DGT_UDP_DROP=str(args.udp_drop), DGT_SEED=str(seed))
+    command = [sys.executable, os.path.join(ROOT, "examples", "launch.py"), "-n", "2", "--",
+               sys.executable, os.path.join(ROOT, "examples", f"train_{args.model}.py"),
+               "--kvstore", kvstore, "--max-steps", str(args.steps), "--seed", str(seed),
+               "--eval-samples", "0", "--log", log]
+    began = time.monotonic()
+    proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=args.run_timeout)
+    wall_s = time.monotonic() - began
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise SystemExit(f"{variant} seed {seed} failed with exit code {proc.returncode}")
+    with open(log) as f:
+        summary = [json.loads(line) for line in f if '"summary"' in line][-1]
+    return {"variant": variant, "model": args.model, "seed": seed, "steps": summary["steps"],
+            "udp_drop": args.udp_drop if kvstore == "dgt" else "",
+            "accuracy": summary["accuracy"], "final_loss": summary["final_loss"],
+            "udp_loss_rate": summary.get("udp_loss_rate", ""), "wall_s": round(wall_s, 1)}
+
+
+def summarize(rows: list, variants: list) -> str:
+    """Markdown table: mean and sample standard deviation of the accuracy per variant."""
+    def mean_std(values):
+        return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+    accuracy = {v: [r["accuracy"] for r in rows if r["variant"] == v] for v in variants}
+    base = statistics.mean(accuracy["dist_sync"]) if accuracy.get("dist_sync") else None
+    lines = ["| variant | seeds | accuracy, each seed | mean ± std | vs `dist_sync` (points) "
+             "| final loss, mean | UDP loss |", "|---|---|---|---|---|---|---|"]
+    for variant in variants:
+        runs = [r for r in rows if r["variant"] == variant]
+        if not runs:
+            continue
+        mean, std = mean_std(accuracy[variant])
+        gap = f"{(mean - base) * 100:+.1f}" if base is not None else "-"
+        losses = [r["udp_loss_rate"] for r in runs if r["udp_loss_rate"] != ""]
+        lost = f"{statistics.mean(losses):.1%}" if losses else "-"
+        lines.append(f"| {variant} | {len(runs)} | "
+                     f"{' / '.join(f'{a:.4f}' for a in accuracy[variant])} | "
+                     f"{mean:.4f} ± {std:.4f} | {gap} | "
+                     f"{statistics.mean(r['final_loss'] for r in runs):.3f} | {lost} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="alexnet", choices=("alexnet", "vgg11", "googlenet"))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
+    parser.add_argument("--udp-drop", type=float, default=0.9,
+                        help="seeded UDP loss at the dgt senders (0..1)")
+    parser.add_argument("--variants", default="dgt-noef,dgt-ef,dist_sync",
+                        help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--name", default=time.strftime("accuracy-%Y%m%d-%H%M%S"))
+    parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if not 0.0 <= args.udp_drop <= 1.0:
+        parser.error(f"--udp-drop={args.udp_drop} is out of range: allowed 0..1")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:  # seed-major, so that a drift of the machine hits every variant
+            for variant in variants:
+                row = run_one(variant, seed, args, tmp)
+                rows.append(row)
+                print(f"{variant:13s} seed {seed}: accuracy {row['accuracy']:.4f}, "
+                      f"loss {row['final_loss']:.3f} ({row['wall_s']:.0f} s)", flush=True)
+    os.makedirs(args.results_dir, exist_ok=True)
+    csv_path = os.path.join(args.results_dir, f"{args.name}.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    table = summarize(rows, variants)
+    header = (f"Run `{args.name}`: {args.model}, 2 workers + 1 server on localhost, "
+              f"{args.steps} steps, batch 32/worker, seeds {args.seeds}, seeded UDP loss "
+              f"{args.udp_drop:.0%} for dgt, accuracy on the whole Fashion-MNIST test set.\n\n")
+    md_path = os.path.join(args.results_dir, f"{args.name}.md")
+    with open(md_path, "w") as f:
+        f.write(header + table + "\n")
+    print("\n" + table)
+    print(f"wrote {csv_path}\nwrote {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
