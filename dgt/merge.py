@@ -225,10 +225,9 @@ class StepMerger:
         if dup.any():
             raise RemoteProtocolError("PUSH repeats blocks that already arrived over UDP")
         if fresh:  # the first data of the step: write, and zero the gaps, in one pass
-            position = 0
             for group, chunk in zip(groups, chunks):
-                position = layout.scatter_set_(open_step.acc, group, chunk, position)
-            open_step.acc[position:] = 0
+                layout.scatter_set_(open_step.acc, group, chunk)
+            layout.zero_except_(open_step.acc, blocks)
         else:
             for group, chunk in zip(groups, chunks):
                 layout.scatter_add_(open_step.acc, group, chunk)

@@ -108,6 +108,25 @@ class Pending:
                 return
         callback(self)
 
+    @classmethod
+    def all_of(cls, what: str, pendings: List["Pending"], result: Optional[np.ndarray],
+               timeout_s: float) -> "Pending":
+        """A call made of ``pendings``: it finishes once every one of them has finished (not
+        at the first error, as the others may still read their buffers), with the first error
+        any of them had and ``result``."""
+        combined = cls(what, result, len(pendings), timeout_s)
+
+        def one_done(done: "Pending") -> None:
+            if done.error() is not None:
+                with combined._lock:
+                    if combined._error is None:
+                        combined._error = done.error()
+            combined._part_done()
+
+        for pending in pendings:
+            pending.add_done_callback(one_done)
+        return combined
+
     def error(self) -> Optional[BaseException]:
         """The error that finished this call, if any (None while running or on success)."""
         return self._error

@@ -182,22 +182,14 @@ class Fuser:
             round_.resolve(None)
             completion()
             return
-        left = [len(pendings)]
-        lock = threading.Lock()
-
         def finished(done: Pending) -> None:
             if done.error() is not None:
                 self._remember_error(done.error())
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                failed = any(p.error() is not None for p in pendings)
-                round_.resolve(None if failed else result)
-                completion()
+            round_.resolve(None if done.error() is not None else result)
+            completion()
 
-        for pending in pendings:
-            pending.add_done_callback(finished)
+        Pending.all_of(f"bucket {bucket.key}", pendings, result,
+                       self._worker.config.timeout_s).add_done_callback(finished)
 
     # -- a round nobody seals ----------------------------------------------------------------
     def _start_watchdog(self) -> None:

@@ -36,20 +36,40 @@ def test_scatter_set_in_chunks_equals_zeroing_then_adding(rng, n):
     flat = rng.standard_normal(n).astype(np.float32)
     for chosen in (np.sort(rng.choice(layout.n_blocks, 40, replace=False)),
                    np.arange(layout.n_blocks), np.array([], dtype=np.int64),
-                   np.array([layout.n_blocks - 1])):
+                   np.array([layout.n_blocks - 1]), np.arange(10, 30)):
         payload = layout.gather(flat, chosen)
         expected = np.zeros(layout.padded_elems, np.float32)
-        layout.scatter_add_(expected, chosen, payload)
+        for b in chosen:  # the oracle: block by block
+            lo, hi = layout.block_range(int(b))
+            expected[lo:hi] = flat[lo:hi]
         padded = np.full(layout.padded_elems, np.nan, np.float32)  # garbage to overwrite
         groups = layout.chunk_blocks(chosen, 64 * 7) if len(chosen) else [chosen]
-        position, offset = 0, 0
+        offset = 0
         for group in groups:
             size = layout.payload_elems(group)
-            position = layout.scatter_set_(padded, group, payload[offset:offset + size],
-                                           position)
+            layout.scatter_set_(padded, group, payload[offset:offset + size])
             offset += size
-        padded[position:] = 0
+        layout.zero_except_(padded, chosen)
         np.testing.assert_array_equal(padded, expected)
+
+
+@pytest.mark.parametrize("chosen", ["scattered", "runs", "all", "last only"])
+def test_scatter_add_by_runs_or_by_rows_equals_block_by_block(rng, chosen):
+    layout = BlockLayout(5000, 64)  # last block short
+    blocks = {"scattered": np.sort(rng.choice(layout.n_blocks, 30, replace=False)),
+              "runs": np.concatenate([np.arange(3, 20), np.arange(40, layout.n_blocks)]),
+              "all": np.arange(layout.n_blocks),
+              "last only": np.array([layout.n_blocks - 1])}[chosen]
+    flat = rng.standard_normal(5000).astype(np.float32)
+    payload = layout.gather(flat, blocks)
+    start = rng.standard_normal(layout.padded_elems).astype(np.float32)
+    expected = start.copy()
+    for b in blocks:
+        lo, hi = layout.block_range(int(b))
+        expected[lo:hi] += flat[lo:hi]
+    padded = start.copy()
+    layout.scatter_add_(padded, blocks, payload)
+    np.testing.assert_array_equal(padded, expected)
 
 
 def test_gather_without_last_block_and_empty(rng):
