@@ -114,13 +114,29 @@ def measure_compute(model: str, batch: int) -> Optional[float]:
 
 
 def server_nodes(count: int) -> List[str]:
-    """Testbed node names of the servers: ``server``, ``server1``, ..."""
+    """Testbed node names of dedicated servers: ``server``, ``server1``, ..."""
     return ["server"] + [f"server{i}" for i in range(1, count)]
+
+
+def server_hosts(args) -> List[str]:
+    """Where the parameter servers run: their own nodes, or with ``--colocate`` server i on
+    worker i's node (no extra machine; each link then carries the other workers' share)."""
+    if getattr(args, "colocate", False):
+        return [f"worker{i}" for i in range(args.servers)]
+    return server_nodes(args.servers)
+
+
+def measured_links(system: str, args) -> List[str]:
+    """The links whose bytes bound the step: the servers', or the workers' where they serve
+    (or, for allreduce, where there is no server; its links are all alike)."""
+    if system == "horovod":
+        return ["worker0"]
+    return server_hosts(args)
 
 
 def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) -> List[_Child]:
     server_ip = bed.addresses["server"]
-    servers = server_nodes(args.servers)
+    servers = server_hosts(args)
     port = 9100 + random.randrange(800)
     base = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for key in [k for k in base if k.startswith(("DGT_", "DMLC_"))]:
@@ -203,7 +219,7 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     curve = os.path.join(results, f"{args.name}-{model}-{system}.jsonl")
     log_path = os.path.join(results, f"{args.name}-{model}-{system}.log")
     # Allreduce has no server: its busiest links are the workers'.
-    links = ["worker0"] if system == "horovod" else server_nodes(args.servers)
+    links = measured_links(system, args)
     before = {link: bed.link_bytes(link) for link in links}
     started = time.perf_counter()
     with open(log_path, "wb") as log:
@@ -261,8 +277,9 @@ def write_reports(rows: List[Row], args, machine: str) -> List[str]:
 
 def markdown(rows: List[Row], args, machine: str) -> str:
     servers = getattr(args, "servers", 1)
+    where = " on the workers' nodes" if getattr(args, "colocate", False) else ""
     lines = [f"Run `{args.name}`: {args.workers} workers + {servers} server"
-             f"{'s' if servers > 1 else ''}, links {args.rate:g} Mbit/s, "
+             f"{'s' if servers > 1 else ''}{where}, links {args.rate:g} Mbit/s, "
              f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST. {machine}", "",
              "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
              "(server links) | UDP loss | time to target s | final acc | lower bound s | status |",
@@ -342,6 +359,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--servers", type=int, default=1,
                         help="parameter servers, each on its own link (dgt and MXNet)")
+    parser.add_argument("--colocate", action="store_true",
+                        help="run server i on worker i's node instead of its own (needs "
+                             "--servers <= --workers)")
     parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -359,6 +379,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.models, args.steps, args.eval_samples = "alexnet", 12, 500
     args.name = args.name or time.strftime("compare-%Y%m%d-%H%M%S")
+    if args.colocate and not 1 <= args.servers <= args.workers:
+        parser.error(f"--colocate needs 1 <= --servers <= --workers (got --servers "
+                     f"{args.servers}, --workers {args.workers})")
     args.dgt_env = dict(item.split("=", 1) for item in args.dgt)
     reason = available()
     if reason:
@@ -370,7 +393,10 @@ def main(argv=None) -> int:
                f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
                f"Python {sys.version.split()[0]}.")
     rows = []
-    nodes = server_nodes(args.servers) + [f"worker{r}" for r in range(args.workers)]
+    # The "server" node stays even when colocated: MXNet's scheduler and Horovod's
+    # rendezvous run there (control traffic only).
+    nodes = server_nodes(1 if args.colocate else args.servers) + \
+        [f"worker{r}" for r in range(args.workers)]
     with Testbed(nodes, rate_mbit=args.rate) as bed:
         for model in args.models.split(","):
             compute = measure_compute(model, args.batch_size)

@@ -52,3 +52,14 @@ def test_reports_are_written_with_every_column(tmp_path):
     assert "not installed" in text and text == markdown(rows, args, "Machine: test.")
     for name in ("t-step-time.png", "t-accuracy.png", "t-bytes.png"):
         assert (tmp_path / name).stat().st_size > 1000 and str(tmp_path / name) in paths
+
+
+def test_colocated_servers_run_on_the_worker_nodes_and_their_links_are_measured():
+    from benchmarks.compare import measured_links, server_hosts
+    own = argparse.Namespace(servers=2, workers=2, colocate=False)
+    shared = argparse.Namespace(servers=2, workers=2, colocate=True)
+    assert server_hosts(own) == ["server", "server1"]
+    assert server_hosts(shared) == ["worker0", "worker1"]
+    assert measured_links("dgt", shared) == ["worker0", "worker1"]
+    assert measured_links("dist_sync", own) == ["server", "server1"]
+    assert measured_links("horovod", own) == ["worker0"]
