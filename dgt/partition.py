@@ -132,11 +132,14 @@ class BlockLayout:
             result[n_rows:] = flat[n_full:]
         return result
 
+    def _as_rows(self, padded: np.ndarray) -> np.ndarray:
+        return padded[:self.padded_elems].reshape(self.n_blocks, self.block_elems)
+
     def _rows(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray):
         """Views for a block-wise write: ``padded`` as (n_blocks, block_elems) rows, the full
         blocks among ``blocks`` and their payload as rows, and the last block's payload (its
         true length) or None when the last block is not among ``blocks``."""
-        rows = padded[:self.padded_elems].reshape(self.n_blocks, self.block_elems)
+        rows = self._as_rows(padded)
         if len(blocks) and blocks[-1] == self.n_blocks - 1:
             n_full = (len(blocks) - 1) * self.block_elems
             return (rows, blocks[:-1], payload[:n_full].reshape(-1, self.block_elems),
@@ -186,8 +189,7 @@ class BlockLayout:
         where zeroing it and then adding would take three."""
         keep = np.zeros(self.n_blocks, dtype=bool)
         keep[blocks] = True
-        rows = padded[:self.padded_elems].reshape(self.n_blocks, self.block_elems)
-        rows[~keep] = 0
+        self._as_rows(padded)[~keep] = 0
         padded[self.n_elems:] = 0
 
     def chunk_blocks(self, blocks: np.ndarray, chunk_elems: int) -> List[np.ndarray]:
