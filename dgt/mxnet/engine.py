@@ -20,6 +20,7 @@ import logging
 import threading
 from typing import Callable, Dict, Sequence
 
+import mxnet as mx
 from mxnet.base import _LIB, check_call
 
 __all__ = ["HostBuffers", "push_async", "host_view", "sum_into"]
@@ -129,8 +130,6 @@ def host_view(array, numpy_dtype):
 def sum_into(values: Sequence, target) -> None:
     """Enqueue ``target = sum(values)`` (one device's gradient, or several devices' summed):
     engine copies, which wait for backward and reorder MKLDNN layouts into ``target``'s."""
-    import mxnet as mx
-
     if len(values) == 1:
         values[0].copyto(target)
     else:
@@ -142,8 +141,6 @@ class HostBuffers:
     engine operator can touch them through numpy views (``send_host``, ``recv_host``, flat)."""
 
     def __init__(self, shape, dtype):
-        import mxnet as mx
-
         self.send = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
         self.recv = mx.nd.empty(shape, ctx=mx.cpu(), dtype=dtype)
         self.send_host = host_view(self.send, self.send.dtype)
