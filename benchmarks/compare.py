@@ -147,6 +147,8 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
              "--log-every", "1", "--log", curve, "--seed", "0"]
     if args.eval_every:
         train += ["--eval-every", str(args.eval_every)]
+    if getattr(args, "update_on_workers", False):
+        train += ["--update-on-kvstore", "0"]
     children = []
     if system.startswith("dgt"):
         addrs = ",".join(f"{bed.addresses[node]}:{port}" for node in servers)
@@ -278,6 +280,8 @@ def write_reports(rows: List[Row], args, machine: str) -> List[str]:
 def markdown(rows: List[Row], args, machine: str) -> str:
     servers = getattr(args, "servers", 1)
     where = " on the workers' nodes" if getattr(args, "colocate", False) else ""
+    if getattr(args, "update_on_workers", False):
+        where += ", optimizer on the workers (update_on_kvstore=0)"
     lines = [f"Run `{args.name}`: {args.workers} workers + {servers} server"
              f"{'s' if servers > 1 else ''}{where}, links {args.rate:g} Mbit/s, "
              f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST. {machine}", "",
@@ -362,6 +366,11 @@ def main(argv=None) -> int:
     parser.add_argument("--colocate", action="store_true",
                         help="run server i on worker i's node instead of its own (needs "
                              "--servers <= --workers)")
+    parser.add_argument("--update-on-workers", action="store_true",
+                        help="run the optimizer on every worker (update_on_kvstore=0) for "
+                             "the dgt and dist_sync systems too, as 2-bit and Horovod always "
+                             "do; the servers then only sum, and dgt's replies carry only the "
+                             "blocks that some worker's gradient reached")
     parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)

@@ -87,6 +87,10 @@ class ClosedStep:
     udp_merged: np.ndarray  # per worker
     udp_late: np.ndarray  # per worker: late datagrams merged here or dropped since last close
     grace_s: float  # time waited after the last end marker
+    # Blocks that any worker's data reached (reliably, over UDP, or late in diff mode): the
+    # others are zero in ``merged`` whatever the workers pushed.
+    touched_blocks: Optional[np.ndarray] = None
+    block_elems: int = 0
     first_push_time: float = 0.0
     last_push_time: float = 0.0
 
@@ -101,6 +105,7 @@ class _OpenStep:
     ended: np.ndarray  # (W,) bool: PUSH_END seen (or nothing to wait for)
     udp_expected: np.ndarray
     late_in: np.ndarray
+    late_blocks: np.ndarray  # (n_blocks,) diff mode: blocks a late fragment was added to
     last_push_time: float = 0.0
     first_push_time: Optional[float] = None
 
@@ -175,7 +180,8 @@ class StepMerger:
                 pushed=np.zeros(w, dtype=bool),
                 ended=np.zeros(w, dtype=bool),
                 udp_expected=np.zeros(w, dtype=np.int64),
-                late_in=np.zeros(w, dtype=np.int64))
+                late_in=np.zeros(w, dtype=np.int64),
+                late_blocks=np.zeros(lay.blocks.n_blocks, dtype=bool))
             state.steps[step] = open_step
         return open_step
 
@@ -309,6 +315,7 @@ class StepMerger:
                 taken[slots[fresh]] = True
                 target = self._open(state, step + 1)
                 target.late_in[rank] += int(fresh.sum())
+                target.late_blocks[slots[fresh] // layout.frags_per_block] = True
                 self._add_rows(target, layout, slots[fresh], rows[fresh], lengths[fresh])
                 tally(Outcome.LATE_MERGED, int(fresh.sum()))
                 tally(Outcome.DUPLICATE, count - int(fresh.sum()))
@@ -390,6 +397,8 @@ class StepMerger:
                 per_elem = np.repeat(scale.reshape(layout.blocks.n_blocks, fpb),
                                      layout.frag_elems, axis=1)[:, :layout.blocks.block_elems]
                 open_step.acc *= per_elem.reshape(-1).astype(open_step.acc.dtype)
+        touched = delivered.reshape(self.num_workers, layout.blocks.n_blocks, fpb).any(
+            axis=(0, 2)) | open_step.late_blocks
         missing = None
         if self.error_feedback:
             missing = valid & ~delivered
@@ -406,8 +415,9 @@ class StepMerger:
             self._candidates.add((key, part, open_step.step + 1))
         return ClosedStep(key, part, open_step.step, merged, missing,
                           open_step.udp_expected.copy(), open_step.received.sum(axis=1),
-                          late, max(0.0, now - open_step.last_push_time),
-                          open_step.first_push_time or now, open_step.last_push_time)
+                          late, max(0.0, now - open_step.last_push_time), touched,
+                          layout.blocks.block_elems, open_step.first_push_time or now,
+                          open_step.last_push_time)
 
     def forget(self, key: int, part: int) -> None:
         """Drop every state of a part (used when a job re-initialises a key)."""

@@ -192,6 +192,20 @@ class BlockLayout:
         self._as_rows(padded)[~keep] = 0
         padded[self.n_elems:] = 0
 
+    def expand_(self, flat: np.ndarray, blocks: np.ndarray, payload: np.ndarray) -> None:
+        """Inverse of :meth:`gather` into an unpadded ``flat`` (``n_elems`` long): ``flat``
+        becomes ``payload`` at ``blocks`` (ascending) and zero everywhere else."""
+        last = self.n_blocks - 1
+        n_full = last * self.block_elems
+        keep = np.zeros(self.n_blocks, dtype=bool)
+        keep[blocks] = True
+        rows = flat[:n_full].reshape(last, self.block_elems)
+        rows[~keep[:last]] = 0
+        full = blocks[:-1] if keep[last] else blocks
+        n_rows = len(full) * self.block_elems
+        rows[full] = payload[:n_rows].reshape(len(full), self.block_elems)
+        flat[n_full:] = payload[n_rows:] if keep[last] else 0
+
     def chunk_blocks(self, blocks: np.ndarray, chunk_elems: int) -> List[np.ndarray]:
         """Split ascending ``blocks`` into groups of whole blocks of at most ``chunk_elems``
         elements (at least one block each): one group per wire frame."""

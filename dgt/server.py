@@ -31,15 +31,19 @@ from .merge import ClosedStep, StepMerger
 from .partition import BlockLayout
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_WEIGHTS, HEADER_BYTES, HEADER_DTYPE,
-                   NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_header,
-                   dtype_code, encode_header, header_runs, split_dense)
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLAG_WEIGHTS, HEADER_BYTES, HEADER_DTYPE,
+                   NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_blocks,
+                   decode_header, dtype_code, encode_header, header_runs, split_blocks,
+                   split_dense)
 
 __all__ = ["Server", "main"]
 
 logger = logging.getLogger(__name__)
 
 _UDP_BATCHES_PER_TURN = 16  # batches of datagrams read per loop turn, so a flood cannot starve TCP
+# A merged sum is answered with its touched blocks only when that leaves out at least this
+# share of them: the dense reply goes out without a copy, the sparse one costs a gather.
+_SPARSE_REPLY_MIN_SAVING = 0.1
 
 
 class _Optimizer:
@@ -383,23 +387,14 @@ class Server:
         if header.block_elems < 1 or header.frag_elems < 1 or header.n_elems < 1:
             raise RemoteProtocolError("PUSH with empty sizes")
         layout = BlockLayout(header.n_elems, header.block_elems)
-        if header.flags & FLAG_ALL_RELIABLE:
-            blocks = np.arange(layout.n_blocks, dtype=np.int64)
-            payload_frames = frames[1:]
-        else:
-            if len(frames) < 2:
-                raise RemoteProtocolError("PUSH needs an index frame")
-            index_bytes = frames[1].buffer
-            if len(index_bytes) % 4 or len(index_bytes) // 4 != header.block:
-                raise RemoteProtocolError("PUSH index frame does not hold its block count")
-            blocks = np.frombuffer(index_bytes, dtype=np.uint32).astype(np.int64)
-            payload_frames = frames[2:]
-        chunks = []
-        for frame in payload_frames:
-            raw = frame.buffer
-            if len(raw) % dtype.itemsize:
-                raise RemoteProtocolError("PUSH payload is not a whole number of elements")
-            chunks.append(np.frombuffer(raw, dtype=dtype))
+        # An all-reliable push (no index frame) carries every block, in order.
+        all_reliable = bool(header.flags & FLAG_ALL_RELIABLE)
+        if not all_reliable and len(frames) < 2:
+            raise RemoteProtocolError("PUSH needs an index frame")
+        index_frame = np.arange(layout.n_blocks, dtype=np.uint32) if all_reliable \
+            else frames[1].buffer
+        payload_frames = [f.buffer for f in frames[(1 if all_reliable else 2):]]
+        blocks, chunks = decode_blocks(layout, header.block, index_frame, payload_frames, dtype)
         if self._optimizer is not None and header.key not in self._buckets and \
                 (header.key, header.part) not in self._weights:
             raise RemoteProtocolError(f"push of key {header.key} before its weights were "
@@ -497,16 +492,25 @@ class Server:
             flags |= FLAG_FEEDBACK
         grace_us = int(closed.grace_s * 1e6)
         chunks = split_dense(payload)
+        index_frames: list = []
+        n_blocks = 0
+        if not flags & FLAG_WEIGHTS:
+            sparse = self._sparse_reply(closed, payload)
+            if sparse is not None:
+                flags |= FLAG_SPARSE
+                blocks, chunks = sparse
+                index_frames, n_blocks = [blocks], len(blocks)
+        self.counters["reply_bytes"] += sum(c.nbytes for c in chunks) * self.config.num_workers
         for rank in range(self.config.num_workers):
             header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
                             dtype=dtype_code(payload.dtype), key=closed.key,
                             part=closed.part, flags=flags, step=closed.step,
-                            n_elems=payload.size,
-                            udp_expected=int(closed.udp_expected[rank]),
+                            n_elems=payload.size, block_elems=closed.block_elems,
+                            block=n_blocks, udp_expected=int(closed.udp_expected[rank]),
                             udp_merged=int(closed.udp_merged[rank]),
                             udp_late=int(closed.udp_late[rank]), grace_us=min(grace_us, 2**32 - 1))
             bitmap = np.packbits(closed.missing[rank]) if closed.missing is not None else b""
-            self._send(rank, header, bitmap, *chunks)
+            self._send(rank, header, bitmap, *index_frames, *chunks)
         self.counters["steps_closed"] += 1
         if logger.isEnabledFor(logging.DEBUG):
             now = time.monotonic()
@@ -514,6 +518,23 @@ class Server:
                          "end marker, replied after %.1f ms", closed.key, closed.part, closed.step,
                          (closed.last_push_time - closed.first_push_time) * 1000,
                          closed.grace_s * 1000, (now - closed.last_push_time) * 1000)
+
+
+    def _sparse_reply(self, closed: ClosedStep, merged: np.ndarray):
+        """(block indices, payload frames) of a merged sum's touched blocks, or None when a
+        dense reply is as good.  Blocks no worker's data reached are zero in the sum (pushes
+        with few reliable blocks under heavy UDP loss leave many), so only the blocks' indices
+        need to travel: the differential idea applied to the reply, at no loss."""
+        touched = closed.touched_blocks
+        if touched is None or closed.block_elems < 1:
+            return None
+        blocks = np.flatnonzero(touched).astype(np.uint32)
+        if len(blocks) > (1 - _SPARSE_REPLY_MIN_SAVING) * touched.size:
+            return None
+        layout = BlockLayout(merged.size, closed.block_elems)
+        payload = layout.gather(merged, blocks)
+        self.counters["replies_sparse"] += 1
+        return blocks, split_blocks(layout, blocks, payload)
 
 
 def main(argv=None) -> int:

@@ -33,6 +33,7 @@ class StepStats:
     feedback_elems: int = 0  # values carried into the next step by error feedback
     grace_ms_max: float = 0.0
     latency_ms: float = 0.0  # first push of the step -> last reply of the step
+    reply_bytes: int = 0  # payload bytes of the replies (sparse ones hold touched blocks only)
     keys: int = 0
 
     def __post_init__(self):

@@ -49,11 +49,13 @@ from typing import List, NamedTuple, Tuple
 import numpy as np
 
 from .errors import RemoteProtocolError
+from .partition import BlockLayout
 
-__all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
+__all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_blocks",
+           "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
-           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "NO_RANK", "expected_fragment_bytes", "HEADER_DTYPE",
-           "data_headers", "check_datagrams", "header_runs"]
+           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "NO_RANK", "expected_fragment_bytes",
+           "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
 # buffers of this size are recycled by the allocator, while 64 MB ones are fresh mmaps that
@@ -67,6 +69,7 @@ NO_RANK = 0xFFFF
 FLAG_ALL_RELIABLE = 1  # PUSH: the payload is the whole part, no index frame
 FLAG_FEEDBACK = 2  # REPLY: a missing-slot bitmap follows the payload
 FLAG_WEIGHTS = 4  # REPLY: the payload is updated weights (server-side optimizer)
+FLAG_SPARSE = 8  # REPLY: after the bitmap, an index frame of the blocks sent; the rest are zero
 
 
 class MsgType(enum.IntEnum):
@@ -223,6 +226,43 @@ def split_dense(array: np.ndarray) -> list:
     if array.size <= step:
         return [array]
     return [array[i:i + step] for i in range(0, array.size, step)]
+
+
+def split_blocks(layout: BlockLayout, blocks: np.ndarray, payload: np.ndarray) -> list:
+    """``payload`` (the values of ascending ``blocks``, see :meth:`BlockLayout.gather`) cut
+    into frames of whole blocks, each at most about :data:`CHUNK_BYTES`."""
+    groups = layout.chunk_blocks(blocks, chunk_elems(payload.dtype.itemsize))
+    frames, offset = [], 0
+    for group in groups:
+        size = layout.payload_elems(group)
+        frames.append(payload[offset:offset + size])
+        offset += size
+    return frames
+
+
+def decode_blocks(layout: BlockLayout, count: int, index_frame, payload_frames,
+                  dtype: np.dtype) -> Tuple[np.ndarray, List[np.ndarray]]:
+    """The inverse of an index frame (uint32 block numbers) plus :func:`split_blocks`:
+    ``(blocks, chunks)``, checked against ``layout`` and the announced block ``count``."""
+    raw = memoryview(index_frame).cast("B")
+    if len(raw) % 4 or len(raw) // 4 != count:
+        raise RemoteProtocolError(f"index frame of {len(raw)} bytes does not hold {count} "
+                                  "block numbers")
+    blocks = np.frombuffer(raw, dtype=np.uint32).astype(np.int64)
+    if len(blocks) and (blocks[-1] >= layout.n_blocks or np.any(np.diff(blocks) <= 0)):
+        raise RemoteProtocolError("block numbers are not ascending and in range")
+    chunks = []
+    for frame in payload_frames:
+        data = memoryview(frame).cast("B")
+        if len(data) % dtype.itemsize:
+            raise RemoteProtocolError("payload is not a whole number of elements")
+        chunks.append(np.frombuffer(data, dtype=dtype))
+    groups = layout.chunk_blocks(blocks, chunk_elems(dtype.itemsize))
+    if len(groups) != len(chunks) or any(
+            c.size != layout.payload_elems(g) for g, c in zip(groups, chunks)):
+        raise RemoteProtocolError(f"payload frames ({[c.size for c in chunks]} elements) do "
+                                  f"not match their {len(blocks)} blocks")
+    return blocks, chunks
 
 
 def data_headers(base: Header, channels: np.ndarray, blocks: np.ndarray,

@@ -35,9 +35,9 @@ from .scoring import ContributionState, score_blocks
 from .stats import JsonLinesSink, StepStats
 from .transport.links import ServerLinks
 from .transport.udp import UdpSender
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLOAT_CODES, HEADER_BYTES, NO_RANK, Header,
-                   MsgType, chunk_elems, code_dtype, data_headers, decode_header, dtype_code,
-                   encode_header, split_dense)
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLOAT_CODES, HEADER_BYTES,
+                   NO_RANK, Header, MsgType, code_dtype, data_headers, decode_blocks,
+                   decode_header, dtype_code, encode_header, split_blocks, split_dense)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -161,17 +161,6 @@ class _Scratch:
     compensated: np.ndarray
     absolute: np.ndarray
     gathered: np.ndarray
-
-
-def _split_blocks(layout: BlockLayout, blocks: np.ndarray, payload: np.ndarray) -> list:
-    """``payload`` (the blocks' values, ascending) cut into wire frames at whole blocks."""
-    groups = layout.chunk_blocks(blocks, chunk_elems(payload.dtype.itemsize))
-    frames, offset = [], 0
-    for group in groups:
-        size = layout.payload_elems(group)
-        frames.append(payload[offset:offset + size])
-        offset += size
-    return frames
 
 
 @dataclass
@@ -452,7 +441,7 @@ class Worker:
             header = base._replace(flags=FLAG_ALL_RELIABLE, block=blocks.n_blocks)
             everything = np.arange(blocks.n_blocks)
             self._send(part.server, [encode_header(header),
-                                     *_split_blocks(blocks, everything, values)])
+                                     *split_blocks(blocks, everything, values)])
             self._count(stats, 0, blocks.n_blocks, values.nbytes)
             return
         if cfg.error_feedback:
@@ -470,7 +459,7 @@ class Worker:
         payload = blocks.gather(values, reliable, out=scratch.gathered)
         self._register(("push", key, part.index, step), inflight)
         self._send(part.server, [encode_header(header), reliable,
-                                 *_split_blocks(blocks, reliable, payload)])
+                                 *split_blocks(blocks, reliable, payload)])
         self._count(stats, 0, len(reliable), payload.nbytes)
         for channel in range(1, cfg.udp_channels + 1):
             chosen = channels[udp_blocks] == channel
@@ -704,7 +693,12 @@ class Worker:
         if len(frames) < 2:
             entry.pending._fail(RemoteProtocolError(f"short reply: {header.debug_str()}"))
             return
-        self._fill(entry, header, frames[2:])
+        if header.flags & FLAG_SPARSE:
+            self._fill_sparse(entry, header, frames[2], frames[3:])
+        else:
+            self._fill(entry, header, frames[2:])
+        if entry.pending.done():  # failed while filling
+            return
         carried = 0
         if header.flags & FLAG_FEEDBACK and entry.compensated is not None:
             layout = entry.layout
@@ -719,6 +713,7 @@ class Worker:
         if stats is not None:
             with self._stats_lock:
                 stats.keys += 1
+                stats.reply_bytes += sum(len(f.buffer) for f in frames[2:])
                 stats.udp_expected += header.udp_expected
                 stats.udp_merged += header.udp_merged
                 stats.udp_lost += max(0, header.udp_expected - header.udp_merged)
@@ -748,6 +743,28 @@ class Worker:
         if offset != part.stop or sum(len(f.buffer) for f in frames) != part.n_elems * dtype.itemsize:
             pending._fail(RemoteProtocolError(
                 f"{pending.what}: reply does not hold the {part.n_elems} elements expected"))
+
+    @staticmethod
+    def _fill_sparse(entry: _Inflight, header: Header, index_frame, frames) -> None:
+        """A reply that holds only the blocks some worker's data reached (the server's
+        ``_sparse_reply``): they go in place, every other block of the part becomes zero."""
+        pending, part = entry.pending, entry.part
+        dtype = code_dtype(header.dtype)
+        layout = entry.layout.blocks
+        if pending.result is None or dtype != pending.result.dtype \
+                or header.block_elems != layout.block_elems or header.n_elems != part.n_elems:
+            pending._fail(RemoteProtocolError(f"{pending.what}: sparse reply does not match the "
+                                              f"push: {header.debug_str()}"))
+            return
+        try:
+            blocks, chunks = decode_blocks(layout, header.block, index_frame.buffer,
+                                           [f.buffer for f in frames], dtype)
+        except RemoteProtocolError as exc:
+            pending._fail(RemoteProtocolError(f"{pending.what}: sparse reply: {exc}"))
+            return
+        payload = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks \
+            else np.empty(0, dtype)
+        layout.expand_(pending.result[part.start:part.stop], blocks, payload)
 
     def _pop(self, ident: tuple) -> Optional[_Inflight]:
         with self._inflight_lock:

@@ -50,6 +50,11 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         help="gradient transport: dgt, MXNet dist_sync (plain, 2-bit "
                              "compressed, or with the P3 van), Horovod's allreduce (when "
                              "installed), or local (single process)")
+    parser.add_argument("--update-on-kvstore", default="auto", choices=("auto", "1", "0"),
+                        help="where the optimizer runs (gluon.Trainer's update_on_kvstore): "
+                             "auto lets MXNet choose (the servers, for dgt and dist_sync); 0 "
+                             "runs it on every worker, and dgt's servers then answer with the "
+                             "blocks that some worker's gradient reached only")
     parser.add_argument("--epochs", type=int, default=1, help="passes over each worker's shard")
     parser.add_argument("--max-steps", type=int, default=0,
                         help="stop after this many steps in all (0: no limit)")
@@ -184,7 +189,9 @@ def train(model: str, argv=None) -> dict:
             raise SystemExit("error: --kvstore horovod supports --algo bsp only")
         trainer = kv.trainer(net.collect_params(), optimizer_params)
     elif args.algo == "bsp" and not manual_push_pull:
-        trainer = gluon.Trainer(net.collect_params(), "sgd", optimizer_params, kvstore=kv)
+        update_on_kvstore = {"auto": None, "1": True, "0": False}[args.update_on_kvstore]
+        trainer = gluon.Trainer(net.collect_params(), "sgd", optimizer_params, kvstore=kv,
+                                update_on_kvstore=update_on_kvstore)
     elif args.algo == "bsp":
         # MXNet 1.9.1 refuses compression with pushpull ("Compression not supported with
         # PushPull"), which Trainer uses; push + pull per key work, so sum the gradients that

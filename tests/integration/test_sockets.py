@@ -281,3 +281,38 @@ def test_workers_that_disagree_on_a_bucket_are_refused(make_job):
     results = run_workers(config, body, 2)
     assert sorted(results.values())[0] == "accepted"
     assert "disagree" in sorted(results.values())[1]
+
+
+@pytest.mark.parametrize("mode, feedback", [("drop", False), ("drop", True), ("diff", False),
+                                            ("rescale", False)])
+def test_heavy_loss_replies_carry_only_touched_blocks_and_still_sum_exactly(make_job, mode,
+                                                                             feedback):
+    # Few reliable blocks and 90 % UDP loss leave blocks that no worker's data reached; the
+    # server then answers with the others only, and the workers must rebuild the same sum.
+    config, servers = make_job(2, threshold=0.1, threshold_min=0.1, adaptive=False,
+                               udp_drop=0.9, seed=5, grace_ms=100, receive_mode=mode,
+                               error_feedback=feedback)
+    n = 50_000
+    data = {r: np.random.default_rng(r).integers(-8, 9, n).astype(np.float32) for r in range(2)}
+    results = run_workers(config, lambda w: w.pushpull(3, data[w.rank]).wait(), 2)
+    expected = np.zeros(n, dtype=np.float64)
+    touched = np.zeros(n, dtype=bool)
+    counts = 0
+    for rank in range(2):
+        layout, slots = delivered_slots(config, rank, 3, 0, data[rank], 0.1)
+        mask = layout.element_mask(slots)
+        expected[mask] += data[rank][mask]
+        blocks = slots.reshape(layout.blocks.n_blocks, -1).any(axis=1)
+        touched |= np.repeat(blocks, config.block_elems)[:n]
+        counts = counts + slots
+    if mode == "rescale":
+        scale = np.where(counts > 0, 2 / np.maximum(counts, 1), 1.0)
+        expected *= np.repeat(scale.reshape(layout.blocks.n_blocks, -1), layout.frag_elems,
+                              axis=1)[:, :config.block_elems].reshape(-1)[:n]
+    assert touched.mean() < 0.9, "the seeded loss should leave blocks nobody delivered"
+    for rank in range(2):
+        np.testing.assert_allclose(results[rank], expected, rtol=1e-6)
+    counters = servers[0].server.counters
+    assert counters["replies_sparse"] == 1
+    # Both workers got the touched blocks only, not the whole tensor.
+    assert counters["reply_bytes"] == 2 * 4 * int(touched.sum())

@@ -220,3 +220,26 @@ def test_batched_fragments_match_one_by_one(mode, rng):
     for (a, ca), (b, cb) in zip(merged[:half], merged[half:]):
         np.testing.assert_array_equal(a, b)
     assert merged[half - 1][1] == merged[-1][1]
+
+
+@pytest.mark.parametrize("mode", ["drop", "diff", "rescale"])
+def test_touched_blocks_are_exactly_those_some_data_reached(mode):
+    merger = StepMerger(2, receive_mode=mode, grace_s=0.0, error_feedback=False)
+    headers = [push(merger, 0, 0, data(0), [0], udp=3), push(merger, 1, 0, data(1), [], udp=6)]
+    frag(merger, 1, 0, data(1), 2, 1)  # one fragment of block 2; block 1 gets nothing
+    for h in headers:
+        end(merger, h)
+    closed, = merger.poll(1.0)
+    assert closed.touched_blocks.tolist() == [True, False, True]
+    assert closed.block_elems == B
+    untouched = np.repeat(~closed.touched_blocks, B)[:N]
+    assert not closed.merged[untouched].any()  # the oracle: untouched blocks are zero
+    if mode != "diff":
+        return
+    # A late fragment of block 1 joins step 1, which touches block 1 although step 1's own
+    # pushes carry block 0 only.
+    assert frag(merger, 1, 0, data(1), 1, 0) == Outcome.LATE_MERGED
+    for r in range(2):
+        push(merger, r, 1, data(r), [0])
+    closed, = merger.poll(2.0)
+    assert closed.touched_blocks.tolist() == [True, True, False]

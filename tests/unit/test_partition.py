@@ -136,3 +136,17 @@ def test_slot_ranges_match_frag_range():
 def test_fragment_elems_prefers_equal_fragments(block, itemsize, payload, expected):
     fe = fragment_elems(block, itemsize, payload)
     assert fe == expected and fe * itemsize <= payload
+
+
+@pytest.mark.parametrize("n, chosen", [(5000, [0, 3, 7, 78]), (5000, [2, 5]), (4992, [77]),
+                                       (5000, []), (64, [0]), (5000, list(range(79)))])
+def test_expand_writes_the_blocks_and_zeroes_the_rest_of_an_unpadded_array(rng, n, chosen):
+    layout = BlockLayout(n, 64)
+    chosen = np.array(chosen, dtype=np.int64)
+    source = rng.standard_normal(n).astype(np.float32)
+    out = rng.standard_normal(n).astype(np.float32)  # stale values: all must be replaced
+    layout.expand_(out, chosen, layout.gather(source, chosen))
+    expected = np.zeros(n, np.float32)
+    for b in chosen.tolist():  # block by block, the oracle
+        expected[b * 64:(b + 1) * 64] = source[b * 64:(b + 1) * 64]
+    np.testing.assert_array_equal(out, expected)

@@ -2,8 +2,10 @@ import numpy as np
 import pytest
 
 from dgt.errors import RemoteProtocolError
-from dgt.wire import (HEADER_BYTES, Header, MsgType, data_headers, decode_datagram,
-                      decode_header, encode_header, expected_fragment_bytes, header_runs)
+from dgt.partition import BlockLayout
+from dgt.wire import (CHUNK_BYTES, HEADER_BYTES, Header, MsgType, data_headers, decode_blocks,
+                      decode_datagram, decode_header, encode_header, expected_fragment_bytes,
+                      header_runs, split_blocks)
 
 
 def data_header(**kw):
@@ -127,3 +129,31 @@ def test_header_runs_cut_at_every_change_of_push_and_cover_each_row_once():
     for left, right in zip(runs, runs[1:]):
         assert owner[left[-1]] != owner[right[0]]  # maximal runs
     assert header_runs(headers, index[:0]) == []
+
+
+def test_split_blocks_then_decode_blocks_round_trips_across_frames(rng):
+    layout = BlockLayout(3 * CHUNK_BYTES // 4 + 100, 1024)  # spans several frames
+    blocks = np.sort(rng.choice(layout.n_blocks, 500, replace=False))
+    blocks[-1] = layout.n_blocks - 1  # with the short last block
+    blocks = np.unique(blocks)
+    flat = rng.standard_normal(layout.n_elems).astype(np.float32)
+    frames = [memoryview(f) for f in split_blocks(layout, blocks,
+                                                   layout.gather(flat, blocks))]
+    assert len(frames) > 1
+    index = memoryview(blocks.astype(np.uint32))
+    got, chunks = decode_blocks(layout, len(blocks), index, frames, np.dtype(np.float32))
+    np.testing.assert_array_equal(got, blocks)
+    np.testing.assert_array_equal(np.concatenate(chunks), layout.gather(flat, blocks))
+
+
+@pytest.mark.parametrize("index, count, payload, message", [
+    ([0, 2], 3, 2048, "does not hold 3"),
+    ([2, 0], 2, 2048, "ascending"),
+    ([0, 9], 2, 2048, "in range"),
+    ([0, 2], 2, 2000, "do not match"),
+])
+def test_decode_blocks_refuses_inconsistent_frames(index, count, payload, message):
+    layout = BlockLayout(5000, 1024)
+    with pytest.raises(RemoteProtocolError, match=message):
+        decode_blocks(layout, count, memoryview(np.array(index, np.uint32)),
+                      [memoryview(np.zeros(payload, np.float32))], np.dtype(np.float32))
