@@ -57,9 +57,11 @@ KNOBS: Tuple[Knob, ...] = (
          "k0: fraction of a tensor's blocks, by contribution rank, sent reliably.", "worker"),
     Knob("threshold_min", "DGT_THRESHOLD_MIN", float, 0.2, "0.0..1.0", _in(0.0, 1.0),
          "k_min: floor of the adaptive k.", "worker"),
-    Knob("adaptive", "DGT_ADAPTIVE", bool, True, "0 or 1", None,
+    Knob("adaptive", "DGT_ADAPTIVE", bool, False, "0 or 1", None,
          "1: k = clamp(k0 * L_t / L_0, k_min, 1) with L the smoothed loss reported by "
-         "dgt.report_loss(), or the smoothed gradient norm when no loss is reported.", "worker"),
+         "dgt.report_loss(), or the smoothed gradient norm when no loss is reported: fewer "
+         "bytes, less accuracy under heavy UDP loss (README, Receive modes). 0: k stays k0.",
+         "worker"),
     Knob("adaptive_smoothing", "DGT_ADAPTIVE_SMOOTHING", float, 0.9, "0.0..1.0 (below 1)",
          lambda v: 0.0 <= v < 1.0,
          "EMA weight of the history for the adaptive-k signal (0 = raw signal).", "worker"),
@@ -186,7 +188,7 @@ class Config:
     score_alpha: float = 0.3
     threshold: float = 0.8
     threshold_min: float = 0.2
-    adaptive: bool = True
+    adaptive: bool = False
     adaptive_smoothing: float = 0.9
     udp_channels: int = 3
     random_order: bool = False

@@ -8,11 +8,12 @@ from dgt.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_config_defaults_match_the_reference():
+def test_config_defaults_match_the_reference_except_adaptive_k():
     config = Config.from_env({})
     assert config.block_elems == 1024 and config.score_alpha == 0.3
     assert config.threshold == 0.8 and config.threshold_min == 0.2
-    assert config.udp_channels == 3 and config.adaptive and config.enable
+    assert config.udp_channels == 3 and config.enable
+    assert not config.adaptive  # measured: it costs accuracy under heavy loss (README)
 
 
 def test_config_reads_every_knob_from_the_environment():
