@@ -31,8 +31,8 @@ from .merge import ClosedStep, StepMerger
 from .partition import BlockLayout
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLAG_WEIGHTS, HEADER_BYTES, HEADER_DTYPE,
-                   NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_blocks,
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLAG_WEIGHTS, HEADER_BYTES,
+                   HEADER_DTYPE, NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_blocks,
                    decode_header, dtype_code, encode_header, header_runs, split_blocks,
                    split_dense)
 
@@ -491,15 +491,13 @@ class Server:
         if closed.missing is not None:
             flags |= FLAG_FEEDBACK
         grace_us = int(closed.grace_s * 1e6)
-        chunks = split_dense(payload)
-        index_frames: list = []
-        n_blocks = 0
-        if not flags & FLAG_WEIGHTS:
-            sparse = self._sparse_reply(closed, payload)
-            if sparse is not None:
-                flags |= FLAG_SPARSE
-                blocks, chunks = sparse
-                index_frames, n_blocks = [blocks], len(blocks)
+        sparse = None if flags & FLAG_WEIGHTS else self._sparse_reply(closed, payload)
+        if sparse is None:
+            index_frames, n_blocks, chunks = [], 0, split_dense(payload)
+        else:
+            flags |= FLAG_SPARSE
+            blocks, chunks = sparse
+            index_frames, n_blocks = [blocks], len(blocks)
         self.counters["reply_bytes"] += sum(c.nbytes for c in chunks) * self.config.num_workers
         for rank in range(self.config.num_workers):
             header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
@@ -518,7 +516,6 @@ class Server:
                          "end marker, replied after %.1f ms", closed.key, closed.part, closed.step,
                          (closed.last_push_time - closed.first_push_time) * 1000,
                          closed.grace_s * 1000, (now - closed.last_push_time) * 1000)
-
 
     def _sparse_reply(self, closed: ClosedStep, merged: np.ndarray):
         """(block indices, payload frames) of a merged sum's touched blocks, or None when a

@@ -48,6 +48,27 @@ def delivered_slots(config, rank, key, step, values, k):
     return layout, layout.valid_slots & (reliable | ~lost)
 
 
+def expected_merge(config, key, data, k, mode):
+    """The server's merged step 0 of ``key``, computed from the seeded loss: (sum, element
+    mask of the blocks some worker's data reached, whether any slot lost a worker)."""
+    n = next(iter(data.values())).size
+    expected = np.zeros(n, dtype=np.float64)
+    touched = np.zeros(n, dtype=bool)
+    counts = 0
+    for rank, values in data.items():
+        layout, slots = delivered_slots(config, rank, key, 0, values, k)
+        mask = layout.element_mask(slots)
+        expected[mask] += values[mask]
+        blocks = slots.reshape(layout.blocks.n_blocks, -1).any(axis=1)
+        touched |= np.repeat(blocks, config.block_elems)[:n]
+        counts = counts + slots
+    if mode == "rescale":
+        scale = np.where(counts > 0, len(data) / np.maximum(counts, 1), 1.0)
+        expected *= np.repeat(scale.reshape(layout.blocks.n_blocks, -1), layout.frag_elems,
+                              axis=1)[:, :config.block_elems].reshape(-1)[:n]
+    return expected, touched, bool((counts < len(data)).any())
+
+
 @pytest.mark.parametrize("mode, feedback", [("drop", False), ("drop", True), ("diff", False),
                                             ("rescale", False)])
 def test_seeded_loss_merges_exactly_the_surviving_blocks(make_job, mode, feedback):
@@ -57,19 +78,8 @@ def test_seeded_loss_merges_exactly_the_surviving_blocks(make_job, mode, feedbac
     n = 20_000
     data = {r: np.random.default_rng(r).integers(-8, 9, n).astype(np.float32) for r in range(3)}
     results = run_workers(config, lambda w: w.pushpull(7, data[w.rank]).wait(), 3)
-    counts = np.zeros(0)
-    expected = np.zeros(n, dtype=np.float64)
-    for rank in range(3):
-        layout, slots = delivered_slots(config, rank, 7, 0, data[rank], 0.3)
-        mask = layout.element_mask(slots)
-        expected[mask] += data[rank][mask]
-        counts = counts + slots if counts.size else slots.astype(int)
-    assert (counts < 3).any(), "the seeded loss should have hit some block"
-    if mode == "rescale":
-        scale = np.where(counts > 0, 3 / np.maximum(counts, 1), 1.0)
-        per_elem = np.repeat(scale.reshape(layout.blocks.n_blocks, -1), layout.frag_elems,
-                             axis=1)[:, :config.block_elems].reshape(-1)[:n]
-        expected *= per_elem
+    expected, _, some_lost = expected_merge(config, 7, data, 0.3, mode)
+    assert some_lost, "the seeded loss should have hit some block"
     for rank in range(3):
         np.testing.assert_allclose(results[rank], expected, rtol=1e-6)
     assert servers[0].server.merger.counters.get("merged", 0) > 0
@@ -295,20 +305,7 @@ def test_heavy_loss_replies_carry_only_touched_blocks_and_still_sum_exactly(make
     n = 50_000
     data = {r: np.random.default_rng(r).integers(-8, 9, n).astype(np.float32) for r in range(2)}
     results = run_workers(config, lambda w: w.pushpull(3, data[w.rank]).wait(), 2)
-    expected = np.zeros(n, dtype=np.float64)
-    touched = np.zeros(n, dtype=bool)
-    counts = 0
-    for rank in range(2):
-        layout, slots = delivered_slots(config, rank, 3, 0, data[rank], 0.1)
-        mask = layout.element_mask(slots)
-        expected[mask] += data[rank][mask]
-        blocks = slots.reshape(layout.blocks.n_blocks, -1).any(axis=1)
-        touched |= np.repeat(blocks, config.block_elems)[:n]
-        counts = counts + slots
-    if mode == "rescale":
-        scale = np.where(counts > 0, 2 / np.maximum(counts, 1), 1.0)
-        expected *= np.repeat(scale.reshape(layout.blocks.n_blocks, -1), layout.frag_elems,
-                              axis=1)[:, :config.block_elems].reshape(-1)[:n]
+    expected, touched, _ = expected_merge(config, 3, data, 0.1, mode)
     assert touched.mean() < 0.9, "the seeded loss should leave blocks nobody delivered"
     for rank in range(2):
         np.testing.assert_allclose(results[rank], expected, rtol=1e-6)
