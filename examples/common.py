@@ -20,7 +20,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 from data import DatasetMissing, load, partition
-from models import INPUT_SIZE, get_model
+from models import INIT, INPUT_SIZE, get_model
 
 KVSTORES = ("dgt", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod", "local")
 
@@ -175,7 +175,7 @@ def train(model: str, argv=None) -> dict:
     ctx = mx.cpu()
     size = INPUT_SIZE[model]
     net = get_model(model, dataset.classes)
-    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.initialize(INIT.get(model, mx.init.Xavier()), ctx=ctx)
     net.hybridize()
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     optimizer_params = {"learning_rate": args.lr, "momentum": 0.9}
