@@ -713,7 +713,8 @@ class Worker:
         if stats is not None:
             with self._stats_lock:
                 stats.keys += 1
-                stats.reply_bytes += sum(len(f.buffer) for f in frames[2:])
+                payload = frames[3:] if header.flags & FLAG_SPARSE else frames[2:]
+                stats.reply_bytes += sum(len(f.buffer) for f in payload)
                 stats.udp_expected += header.udp_expected
                 stats.udp_merged += header.udp_merged
                 stats.udp_lost += max(0, header.udp_expected - header.udp_merged)

@@ -69,16 +69,23 @@ def expected_merge(config, key, data, k, mode):
     return expected, touched, bool((counts < len(data)).any())
 
 
+def run_seeded_loss(make_job, workers, n, key, k, mode, feedback, **settings):
+    """One pushpull of seeded integer data under seeded loss: (servers, results by rank, and
+    :func:`expected_merge`'s oracle)."""
+    config, servers = make_job(workers, threshold=k, threshold_min=0.1, adaptive=False,
+                               grace_ms=100, receive_mode=mode, error_feedback=feedback,
+                               **settings)
+    data = {r: np.random.default_rng(r).integers(-8, 9, n).astype(np.float32)
+            for r in range(workers)}
+    results = run_workers(config, lambda w: w.pushpull(key, data[w.rank]).wait(), workers)
+    return servers, results, expected_merge(config, key, data, k, mode)
+
+
 @pytest.mark.parametrize("mode, feedback", [("drop", False), ("drop", True), ("diff", False),
                                             ("rescale", False)])
 def test_seeded_loss_merges_exactly_the_surviving_blocks(make_job, mode, feedback):
-    config, servers = make_job(3, threshold=0.3, threshold_min=0.1, adaptive=False,
-                               udp_drop=0.2, seed=11, grace_ms=100, receive_mode=mode,
-                               error_feedback=feedback)
-    n = 20_000
-    data = {r: np.random.default_rng(r).integers(-8, 9, n).astype(np.float32) for r in range(3)}
-    results = run_workers(config, lambda w: w.pushpull(7, data[w.rank]).wait(), 3)
-    expected, _, some_lost = expected_merge(config, 7, data, 0.3, mode)
+    servers, results, (expected, _, some_lost) = run_seeded_loss(
+        make_job, 3, 20_000, 7, 0.3, mode, feedback, udp_drop=0.2, seed=11)
     assert some_lost, "the seeded loss should have hit some block"
     for rank in range(3):
         np.testing.assert_allclose(results[rank], expected, rtol=1e-6)
@@ -299,13 +306,8 @@ def test_heavy_loss_replies_carry_only_touched_blocks_and_still_sum_exactly(make
                                                                              feedback):
     # Few reliable blocks and 90 % UDP loss leave blocks that no worker's data reached; the
     # server then answers with the others only, and the workers must rebuild the same sum.
-    config, servers = make_job(2, threshold=0.1, threshold_min=0.1, adaptive=False,
-                               udp_drop=0.9, seed=5, grace_ms=100, receive_mode=mode,
-                               error_feedback=feedback)
-    n = 50_000
-    data = {r: np.random.default_rng(r).integers(-8, 9, n).astype(np.float32) for r in range(2)}
-    results = run_workers(config, lambda w: w.pushpull(3, data[w.rank]).wait(), 2)
-    expected, touched, _ = expected_merge(config, 3, data, 0.1, mode)
+    servers, results, (expected, touched, _) = run_seeded_loss(
+        make_job, 2, 50_000, 3, 0.1, mode, feedback, udp_drop=0.9, seed=5)
     assert touched.mean() < 0.9, "the seeded loss should leave blocks nobody delivered"
     for rank in range(2):
         np.testing.assert_allclose(results[rank], expected, rtol=1e-6)
