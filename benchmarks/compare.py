@@ -15,7 +15,9 @@ data (Fashion-MNIST, IID, the same seeds) and the same step budget, one system a
 * ``dist_sync_p3``  -- the same with MXNet's P3 priority van;
 * ``horovod``       -- Horovod's ring allreduce over Gloo, when ``horovod.mxnet`` imports
   (``make horovod`` builds it; else reported as not installed).  It has no server, so its
-  bytes are those of worker 0's link.
+  bytes are those of worker 0's link;
+* ``dgt-NAME``      -- dgt with extra settings, defined by ``--variant NAME:DGT_X=1,DGT_Y=2``,
+  so that several dgt settings meet the same baseline in one run.
 
 Each run is a real training job (``examples/train_<model>.py``) with the server in its own
 namespace and each worker in its own.  Reported per system and model: median and p90 step time,
@@ -31,6 +33,7 @@ import csv
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -134,6 +137,34 @@ def measured_links(system: str, args) -> List[str]:
     return server_hosts(args)
 
 
+def parse_variant(text: str) -> tuple:
+    """``NAME:DGT_X=1,DGT_Y=2`` -> (``dgt-NAME``, {DGT_X: 1, DGT_Y: 2})."""
+    name, sep, settings = text.partition(":")
+    if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
+        raise ValueError(f"--variant {text!r}: expected NAME:DGT_X=VALUE[,DGT_Y=VALUE...] "
+                         "with NAME of lower-case letters, digits and '-'")
+    env = {}
+    for item in settings.split(","):
+        var, eq, value = item.partition("=")
+        if not eq or not var.startswith("DGT_") or not value:
+            raise ValueError(f"--variant {text!r}: {item!r} is not DGT_VARIABLE=VALUE")
+        env[var] = value
+    return f"dgt-{name}", env
+
+
+def resolve_systems(listed: str, variants: List[str]) -> tuple:
+    """The systems to run, in order, and each dgt variant's settings.  Variants not named in
+    ``listed`` run after it; an unknown name is refused before any run starts."""
+    extra = dict(parse_variant(text) for text in variants)
+    systems = [name for name in listed.split(",") if name]
+    unknown = [name for name in systems if name not in SYSTEMS and name not in extra]
+    if unknown:
+        raise ValueError(f"--systems: unknown {', '.join(unknown)}; known: "
+                         f"{', '.join(SYSTEMS + tuple(extra))}")
+    systems += [name for name in extra if name not in systems]
+    return systems, extra
+
+
 def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) -> List[_Child]:
     server_ip = bed.addresses["server"]
     servers = server_hosts(args)
@@ -158,6 +189,7 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
         if system == "dgt-reliable":
             job["DGT_ENABLE"] = "0"
         job.update(args.dgt_env)
+        job.update(getattr(args, "variants", {}).get(system, {}))
         for index, node in enumerate(servers):
             children.append(_Child("server", index, bed.exec_prefix(node) + [
                 sys.executable, "-m", "dgt.server"], dict(
@@ -284,10 +316,18 @@ def markdown(rows: List[Row], args, machine: str) -> str:
         where += ", optimizer on the workers (update_on_kvstore=0)"
     lines = [f"Run `{args.name}`: {args.workers} workers + {servers} server"
              f"{'s' if servers > 1 else ''}{where}, links {args.rate:g} Mbit/s, "
-             f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST. {machine}", "",
-             "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
-             "(server links) | UDP loss | time to target s | final acc | lower bound s | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST. {machine}"]
+
+    def settings(env):
+        return " ".join(f"{var}={value}" for var, value in env.items())
+
+    if getattr(args, "dgt_env", None):
+        lines.append(f"Every dgt run: {settings(args.dgt_env)}.")
+    for name, env in getattr(args, "variants", {}).items():
+        lines.append(f"`{name}`: dgt with {settings(env)}.")
+    lines += ["", "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
+              "(server links) | UDP loss | time to target s | final acc | lower bound s | "
+              "status |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
     for r in rows:
         ratio = (r.step_time_s / base[r.model]) if r.step_time_s and base.get(r.model) else None
@@ -382,6 +422,10 @@ def main(argv=None) -> int:
     parser.add_argument("--run-timeout", type=float, default=1800)
     parser.add_argument("--dgt", action="append", default=[], metavar="VAR=VALUE",
                         help="extra DGT_* setting for the dgt runs (repeatable)")
+    parser.add_argument("--variant", action="append", default=[],
+                        metavar="NAME:DGT_X=VALUE,...",
+                        help="also run dgt with these settings, as system dgt-NAME "
+                             "(repeatable)")
     parser.add_argument("--name", default="", help="results file name (default: a timestamp)")
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
@@ -392,6 +436,10 @@ def main(argv=None) -> int:
         parser.error(f"--colocate needs 1 <= --servers <= --workers (got --servers "
                      f"{args.servers}, --workers {args.workers})")
     args.dgt_env = dict(item.split("=", 1) for item in args.dgt)
+    try:
+        args.systems, args.variants = resolve_systems(args.systems, args.variant)
+    except ValueError as error:
+        parser.error(str(error))
     reason = available()
     if reason:
         print(f"benchmark skipped: the testbed {reason}")
@@ -411,7 +459,7 @@ def main(argv=None) -> int:
             compute = measure_compute(model, args.batch_size)
             print(f"{model}: compute {fmt(compute)} s/step (one process, no communication)",
                   flush=True)
-            for system in args.systems.split(","):
+            for system in args.systems:
                 rows.append(run_one(system, model, bed, args, compute))
     for path in write_reports(rows, args, machine):
         print("wrote", os.path.relpath(path, ROOT))

@@ -63,3 +63,28 @@ def test_colocated_servers_run_on_the_worker_nodes_and_their_links_are_measured(
     assert measured_links("dgt", shared) == ["worker0", "worker1"]
     assert measured_links("dist_sync", own) == ["server", "server1"]
     assert measured_links("horovod", own) == ["worker0"]
+
+
+def test_dgt_variants_join_the_systems_and_unknown_names_are_refused():
+    from benchmarks.compare import resolve_systems
+    systems, variants = resolve_systems(
+        "dgt,dist_sync", ["k06:DGT_THRESHOLD=0.6,DGT_ERROR_FEEDBACK=1"])
+    assert systems == ["dgt", "dist_sync", "dgt-k06"]
+    assert variants == {"dgt-k06": {"DGT_THRESHOLD": "0.6", "DGT_ERROR_FEEDBACK": "1"}}
+    # A variant named in --systems keeps its place.
+    assert resolve_systems("dgt-k06,dgt", ["k06:DGT_THRESHOLD=0.6"])[0] == ["dgt-k06", "dgt"]
+    with pytest.raises(ValueError, match="unknown dist-sync"):
+        resolve_systems("dgt,dist-sync", [])
+    for bad in ("k06", "K06:DGT_THRESHOLD=0.6", "k06:THRESHOLD=0.6", "k06:DGT_THRESHOLD="):
+        with pytest.raises(ValueError, match="--variant"):
+            resolve_systems("dgt", [bad])
+
+
+def test_the_table_states_every_dgt_setting(tmp_path):
+    args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
+                              results_dir=str(tmp_path), dgt_env={"DGT_ADAPTIVE": "1"},
+                              variants={"dgt-k06": {"DGT_THRESHOLD": "0.6"}})
+    text = markdown([Row("dgt-k06", "alexnet", 2, 1000.0, status="ok")], args, "M.")
+    assert "Every dgt run: DGT_ADAPTIVE=1." in text
+    assert "`dgt-k06`: dgt with DGT_THRESHOLD=0.6." in text
+    assert "| alexnet | dgt-k06 |" in text
