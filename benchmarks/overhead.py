@@ -5,7 +5,8 @@
 Takes the parameter shapes of a model, makes random gradients, and times the pure steps a
 worker runs per push (error feedback, block scores, channel choice, gathering the reliable
 blocks, building the datagram rows) and the ones the server runs per step (merging the reliable
-parts and the datagrams of every worker, closing the step).  Sockets are left out: this is the
+parts and the datagrams of every worker, closing the step, and framing the reply of a summing
+server: the touched blocks gathered when the reply is sparse).  Sockets are left out: this is the
 part of a step that dgt adds on top of moving the bytes, to compare with the measured step time.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dgt.merge import StepMerger  # noqa: E402
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
 from dgt.policy import assign_channels  # noqa: E402
 from dgt.scoring import ContributionState, score_blocks  # noqa: E402
-from dgt.wire import HEADER_BYTES, Header, MsgType, chunk_elems, data_headers  # noqa: E402
+from dgt.wire import (HEADER_BYTES, Header, MsgType, chunk_elems, data_headers,  # noqa: E402
+                      sum_reply_frames)
 
 
 def model_shapes(name: str):
@@ -42,7 +44,7 @@ def model_shapes(name: str):
     return [p.shape for _, p in sorted(net.collect_params().items())]
 
 
-def one_step(config, shapes, grads, states, merger, step, rank_count):
+def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0.0, rng=None):
     worker_s = server_s = 0.0
     for key, grad in enumerate(grads):
         for part in plan_parts(grad.size, key, 1, config.bigarray_elems, config.part_elems):
@@ -95,12 +97,16 @@ def one_step(config, shapes, grads, states, merger, step, rank_count):
                     chunks.append(payload[offset:offset + size])
                     offset += size
                 merger.add_push(header, reliable, chunks, 0.0)
+                arrived = (rng.random(len(block_ids)) >= udp_loss) if udp_loss else slice(None)
                 if len(block_ids):
-                    merger.add_fragments(header._replace(type=MsgType.DATA), block_ids, frag_ids,
-                                         rows, lengths)
+                    merger.add_fragments(header._replace(type=MsgType.DATA), block_ids[arrived],
+                                         frag_ids[arrived], rows[arrived], lengths[arrived])
                     merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
             closed = merger.poll(0.0)
             assert closed, "the step should close once everything arrived"
+            for step_closed in closed:  # the reply of a summing server (optimizer on workers)
+                sum_reply_frames(step_closed.merged, step_closed.touched_blocks,
+                                 step_closed.block_elems)
             server_s += time.perf_counter() - began
     return worker_s, server_s
 
@@ -121,7 +127,12 @@ def main() -> int:
     parser.add_argument("--model", default="alexnet", choices=("alexnet", "vgg11", "googlenet"))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--udp-loss", type=float, default=0.0,
+                        help="share of datagrams lost (seeded), 0..1: at the testbed's 90 %% "
+                             "the summing server's replies become sparse")
     args = parser.parse_args()
+    if not 0.0 <= args.udp_loss <= 1.0:
+        parser.error(f"--udp-loss must be within 0..1 (got {args.udp_loss})")
     config = Config.from_env()
     shapes = model_shapes(args.model)
     rng = np.random.default_rng(0)
@@ -130,7 +141,9 @@ def main() -> int:
               for _ in range(args.workers)]
     merger = StepMerger(args.workers, config.receive_mode, grace_s=0.0,
                         error_feedback=config.error_feedback)
-    times = [one_step(config, shapes, grads, states, merger, step, args.workers)
+    loss_rng = np.random.default_rng(1)
+    times = [one_step(config, shapes, grads, states, merger, step, args.workers, args.udp_loss,
+                      loss_rng)
              for step in range(args.repeat + 1)][1:]
     accumulators = [np.empty_like(g) for g in grads]
     plain_ms = statistics.median(plain_sum_step(grads, accumulators, args.workers)
@@ -139,10 +152,12 @@ def main() -> int:
     server_ms = statistics.median(t[1] for t in times) * 1000
     params = sum(g.size for g in grads)
     print(f"{args.model}: {params / 1e6:.1f} M parameters, k={config.threshold}, "
-          f"{args.workers} workers, error feedback {'on' if config.error_feedback else 'off'} "
+          f"{args.workers} workers, error feedback {'on' if config.error_feedback else 'off'}, "
+          f"UDP loss {args.udp_loss:.0%} "
           "(the defaults; DGT_* variables change them)")
     print(f"worker CPU per step (score, classify, frame): {worker_ms:7.1f} ms")
-    print(f"server CPU per step (merge {args.workers} workers, close): {server_ms:7.1f} ms")
+    print(f"server CPU per step (merge {args.workers} workers, close, frame the reply): "
+          f"{server_ms:7.1f} ms")
     print(f"  of which a plain dense sum of {args.workers} gradients (any PS server): "
           f"{plain_ms:7.1f} ms; dgt's own server work: {server_ms - plain_ms:7.1f} ms")
     return 0

@@ -33,17 +33,14 @@ from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLAG_WEIGHTS, HEADER_BYTES,
                    HEADER_DTYPE, NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_blocks,
-                   decode_header, dtype_code, encode_header, header_runs, split_blocks,
-                   split_dense)
+                   decode_header, dtype_code, encode_header, header_runs, split_dense,
+                   sum_reply_frames)
 
 __all__ = ["Server", "main"]
 
 logger = logging.getLogger(__name__)
 
 _UDP_BATCHES_PER_TURN = 16  # batches of datagrams read per loop turn, so a flood cannot starve TCP
-# A merged sum is answered with its touched blocks only when that leaves out at least this
-# share of them: the dense reply goes out without a copy, the sparse one costs a gather.
-_SPARSE_REPLY_MIN_SAVING = 0.1
 
 
 class _Optimizer:
@@ -491,13 +488,14 @@ class Server:
         if closed.missing is not None:
             flags |= FLAG_FEEDBACK
         grace_us = int(closed.grace_s * 1e6)
-        sparse = None if flags & FLAG_WEIGHTS else self._sparse_reply(closed, payload)
-        if sparse is None:
+        if flags & FLAG_WEIGHTS:  # weights are dense whatever the gradients touched
             index_frames, n_blocks, chunks = [], 0, split_dense(payload)
         else:
+            index_frames, n_blocks, chunks = sum_reply_frames(payload, closed.touched_blocks,
+                                                              closed.block_elems)
+        if index_frames:
             flags |= FLAG_SPARSE
-            blocks, chunks = sparse
-            index_frames, n_blocks = [blocks], len(blocks)
+            self.counters["replies_sparse"] += 1
         self.counters["reply_bytes"] += sum(c.nbytes for c in chunks) * self.config.num_workers
         for rank in range(self.config.num_workers):
             header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
@@ -516,22 +514,6 @@ class Server:
                          "end marker, replied after %.1f ms", closed.key, closed.part, closed.step,
                          (closed.last_push_time - closed.first_push_time) * 1000,
                          closed.grace_s * 1000, (now - closed.last_push_time) * 1000)
-
-    def _sparse_reply(self, closed: ClosedStep, merged: np.ndarray):
-        """(block indices, payload frames) of a merged sum's touched blocks, or None when a
-        dense reply is as good.  Blocks no worker's data reached are zero in the sum (pushes
-        with few reliable blocks under heavy UDP loss leave many), so only the blocks' indices
-        need to travel: the differential idea applied to the reply, at no loss."""
-        touched = closed.touched_blocks
-        if touched is None or closed.block_elems < 1:
-            return None
-        blocks = np.flatnonzero(touched).astype(np.uint32)
-        if len(blocks) > (1 - _SPARSE_REPLY_MIN_SAVING) * touched.size:
-            return None
-        layout = BlockLayout(merged.size, closed.block_elems)
-        payload = layout.gather(merged, blocks)
-        self.counters["replies_sparse"] += 1
-        return blocks, split_blocks(layout, blocks, payload)
 
 
 def main(argv=None) -> int:

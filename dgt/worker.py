@@ -748,7 +748,7 @@ class Worker:
     @staticmethod
     def _fill_sparse(entry: _Inflight, header: Header, index_frame, frames) -> None:
         """A reply that holds only the blocks some worker's data reached (the server's
-        ``_sparse_reply``): they go in place, every other block of the part becomes zero."""
+        ``wire.sum_reply_frames``): they go in place, every other block of the part becomes zero."""
         pending, part = entry.pending, entry.part
         dtype = code_dtype(header.dtype)
         layout = entry.layout.blocks

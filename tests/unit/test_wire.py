@@ -5,7 +5,7 @@ from dgt.errors import RemoteProtocolError
 from dgt.partition import BlockLayout
 from dgt.wire import (CHUNK_BYTES, HEADER_BYTES, Header, MsgType, data_headers, decode_blocks,
                       decode_datagram, decode_header, encode_header, expected_fragment_bytes,
-                      header_runs, split_blocks)
+                      header_runs, split_blocks, sum_reply_frames)
 
 
 def data_header(**kw):
@@ -157,3 +157,24 @@ def test_decode_blocks_refuses_inconsistent_frames(index, count, payload, messag
     with pytest.raises(RemoteProtocolError, match=message):
         decode_blocks(layout, count, memoryview(np.array(index, np.uint32)),
                       [memoryview(np.zeros(payload, np.float32))], np.dtype(np.float32))
+
+
+def test_a_sum_reply_is_sparse_only_when_it_leaves_out_a_tenth_of_the_blocks_or_more(rng):
+    layout = BlockLayout(12 * 1024 - 300, 1024)  # 12 blocks, the last one short
+    merged = rng.standard_normal(layout.n_elems).astype(np.float32)
+    touched = np.ones(12, bool)
+    touched[[3, 11]] = False
+    merged[3 * 1024:4 * 1024] = 0
+    merged[11 * 1024:] = 0
+    index_frames, n_blocks, frames = sum_reply_frames(merged, touched, 1024)
+    assert n_blocks == 10 and len(index_frames) == 1
+    blocks, chunks = decode_blocks(layout, n_blocks, memoryview(index_frames[0]),
+                                   [memoryview(f) for f in frames], np.dtype(np.float32))
+    rebuilt = np.full(layout.n_elems, np.nan, np.float32)
+    layout.expand_(rebuilt, blocks, np.concatenate(chunks))
+    np.testing.assert_array_equal(rebuilt, merged)  # the gaps were zeros: nothing lost
+    # One untouched block of 12 is not worth an index frame; no block information, no gaps.
+    touched[3] = True
+    for dense in (sum_reply_frames(merged, touched, 1024), sum_reply_frames(merged, None, 1024)):
+        assert dense[:2] == ([], 0)
+        np.testing.assert_array_equal(np.concatenate(dense[2]), merged)
