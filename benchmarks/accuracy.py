@@ -79,8 +79,10 @@ def summarize(rows: list, variants: list) -> str:
 
     accuracy = {v: [r["accuracy"] for r in rows if r["variant"] == v] for v in variants}
     base = statistics.mean(accuracy["dist_sync"]) if accuracy.get("dist_sync") else None
+    base_by_seed = {r["seed"]: r["accuracy"] for r in rows if r["variant"] == "dist_sync"}
     lines = ["| variant | seeds | accuracy, each seed | mean ± std | vs `dist_sync` (points) "
-             "| final loss, mean | UDP loss |", "|---|---|---|---|---|---|---|"]
+             "| same seed − `dist_sync`, mean ± std (points) | final loss, mean | UDP loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for variant in variants:
         runs = [r for r in rows if r["variant"] == variant]
         if not runs:
@@ -89,9 +91,18 @@ def summarize(rows: list, variants: list) -> str:
         gap = f"{(mean - base) * 100:+.1f}" if base is not None else "-"
         losses = [r["udp_loss_rate"] for r in runs if r["udp_loss_rate"] != ""]
         lost = f"{statistics.mean(losses):.1%}" if losses else "-"
+        # Same seed, same data order and initialisation: the paired gap leaves out most of
+        # the seed-to-seed spread that the gap of the means carries.
+        paired = [(r["accuracy"] - base_by_seed[r["seed"]]) * 100 for r in runs
+                  if r["seed"] in base_by_seed]
+        if paired:
+            paired_mean, paired_std = mean_std(paired)
+            paired_text = f"{paired_mean:+.1f} ± {paired_std:.1f}"
+        else:
+            paired_text = "-"
         lines.append(f"| {variant} | {len(runs)} | "
                      f"{' / '.join(f'{a:.4f}' for a in accuracy[variant])} | "
-                     f"{mean:.4f} ± {std:.4f} | {gap} | "
+                     f"{mean:.4f} ± {std:.4f} | {gap} | {paired_text} | "
                      f"{statistics.mean(r['final_loss'] for r in runs):.3f} | {lost} |")
     return "\n".join(lines)
 
