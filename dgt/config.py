@@ -88,6 +88,11 @@ KNOBS: Tuple[Knob, ...] = (
          "How long the server waits for missing UDP blocks after the last reliable part of "
          "a step arrived.", "server"),
     # --- transport -------------------------------------------------------------------------
+    Knob("priority_order", "DGT_PRIORITY_ORDER", bool, True, "0 or 1", None,
+         "1: reliable messages and replies leave most urgent first, by MXNet's priority "
+         "(gluon and Module: the first layers first), so the next forward pass can start "
+         "while the last layers' big tensors still travel. 0: in call order (A/B "
+         "baseline).", "all"),
     Knob("udp_payload_bytes", "DGT_UDP_PAYLOAD_BYTES", int, 1400, "64..65000", _in(64, 65000),
          "Largest gradient payload of a UDP datagram (1400 + headers fit a 1500-byte MTU); "
          "servers size their receive rows with it, so set it alike everywhere.", "all"),
@@ -196,6 +201,7 @@ class Config:
     receive_mode: str = "drop"
     error_feedback: bool = False
     grace_ms: float = 10.0
+    priority_order: bool = True
     udp_payload_bytes: int = 1400
     udp_buffer_bytes: int = 16 << 20
     udp_drop: float = 0.0

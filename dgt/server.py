@@ -29,10 +29,13 @@ from .errors import ConfigError, DGTError, RemoteProtocolError
 from .fusion import FUSED_KEY_BASE
 from .merge import ClosedStep, StepMerger
 from .partition import BlockLayout
+from .transport.links import CLOSE_DRAIN_S, SOCKET_QUEUE_MESSAGES
+from .transport.outbox import PriorityOutbox
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLAG_WEIGHTS, HEADER_BYTES,
-                   HEADER_DTYPE, NO_RANK, Header, MsgType, check_datagrams, code_dtype, decode_blocks,
+                   HEADER_DTYPE, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
+                   check_datagrams, code_dtype, decode_blocks,
                    decode_header, dtype_code, encode_header, header_runs, split_dense,
                    sum_reply_frames)
 
@@ -131,8 +134,15 @@ class Server:
         self._ctx = context or zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 1000)
-        self._router.setsockopt(zmq.SNDHWM, 0)
+        # Replies wait in self._outbox, most urgent first; a worker's socket holds only a few.
+        # MANDATORY: a full socket says so (EAGAIN) instead of dropping the message.
+        self._router.setsockopt(zmq.SNDHWM, SOCKET_QUEUE_MESSAGES)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.RCVHWM, 0)
+        self._outbox = PriorityOutbox(config.priority_order)
+        self._outbox_stalled = False  # the last hand-over moved nothing
+        self._push_priority: Dict[Tuple[int, int], int] = {}  # (key, part) -> its replies'
+
         apply_zmq_priority(self._router, config.udp_channels)
         self._udp, self.port = self._bind(config.bind_host, port)
         self.merger = StepMerger(config.num_workers, config.receive_mode,
@@ -188,15 +198,23 @@ class Server:
                 wait_ms = 500
                 if deadline is not None:
                     wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
+                # A ROUTER is writable when any worker's socket is: while one that is full
+                # holds replies back, poll it every millisecond instead of spinning.
+                backlog = len(self._outbox) > 0
+                poller.modify(self._router, zmq.POLLIN | (
+                    zmq.POLLOUT if backlog and not self._outbox_stalled else 0))
+                if backlog and self._outbox_stalled:
+                    wait_ms = min(wait_ms, 1)
                 events = dict(poller.poll(wait_ms))
                 if events:
                     self._last_activity = time.monotonic()
-                if self._router in events:
+                if events.get(self._router, 0) & zmq.POLLIN:
                     self._drain_tcp()
                 # Read every datagram already queued before judging deadlines: what the kernel
                 # holds arrived in time, however slow this loop was to get to it.
                 self._drain_udp()
                 self._close_steps()
+                self._flush_outbox()
                 if self._everyone_left():
                     logger.info("every worker left; server %d stops", self.config.server_index)
                     break
@@ -204,6 +222,7 @@ class Server:
                     code = 1
                     break
         finally:
+            self._drain_outbox(time.monotonic() + CLOSE_DRAIN_S)
             self._log_counters()
             self._router.close()
             self._udp.close()
@@ -227,7 +246,8 @@ class Server:
                      self.config.server_index, idle)
         for rank in self._identity:
             if rank not in self._byes:
-                self._send(rank, Header(MsgType.BYE, job=self.config.job_id, rank=rank))
+                self._send(rank, Header(MsgType.BYE, job=self.config.job_id, rank=rank),
+                           priority=PRIORITY_LAST)
         return True
 
     def _log_counters(self) -> None:
@@ -303,7 +323,7 @@ class Server:
             except RemoteProtocolError as exc:
                 self.counters["tcp_refused"] += 1
                 logger.warning("refused %s: %s", header.debug_str(), exc)
-                self._router.send_multipart([identity, encode_header(
+                self._outbox.put(identity, PRIORITY_CONTROL, [identity, encode_header(
                     header._replace(type=MsgType.ERROR)), str(exc).encode()])
 
     def _dispatch(self, identity: bytes, header: Header, frames) -> None:
@@ -325,7 +345,7 @@ class Server:
             key = (header.key, header.part)
             if key not in self._values:
                 raise RemoteProtocolError(f"pull of key {header.key} before any init or push")
-            self._send_value(header.rank, header, self._values[key])
+            self._send_value(header.rank, header, self._values[key], header.priority)
         elif mtype is MsgType.SET_OPTIMIZER:
             if len(frames) != 2:
                 raise RemoteProtocolError("SET_OPTIMIZER needs exactly one payload frame")
@@ -396,6 +416,7 @@ class Server:
                 (header.key, header.part) not in self._weights:
             raise RemoteProtocolError(f"push of key {header.key} before its weights were "
                                       "initialised (broadcast/init) on the server")
+        self._push_priority[(header.key, header.part)] = header.priority
         self.merger.add_push(header, blocks, chunks, time.monotonic())
 
     def _on_fuse(self, header: Header, frames) -> None:
@@ -445,17 +466,51 @@ class Server:
             self._send_value(request[0], header._replace(rank=request[0], step=request[1]),
                              self._values[key])
 
-    def _send_value(self, rank: int, header: Header, value: np.ndarray) -> None:
+    def _send_value(self, rank: int, header: Header, value: np.ndarray,
+                    priority: int = PRIORITY_CONTROL) -> None:
         # A copy: the stored value's buffer is recycled by later steps while this is in flight.
         array = value.astype(code_dtype(header.dtype), copy=True)
         self._send(rank, header._replace(type=MsgType.VALUE, n_elems=array.size),
-                   *split_dense(array))
+                   *split_dense(array), priority=priority)
 
-    def _send(self, rank: int, header: Header, *payload) -> None:
+    def _send(self, rank: int, header: Header, *payload, priority: int = PRIORITY_CONTROL
+              ) -> None:
+        """Queue a message for worker ``rank`` (answers to control messages pass every
+        queued reply) and hand the socket what it can take."""
         identity = self._identity.get(rank)
         if identity is None:
             return
-        self._router.send_multipart([identity, encode_header(header), *payload], copy=False)
+        self._outbox.put(identity, priority, [identity, encode_header(header), *payload])
+        self._outbox.flush(identity, self._try_send)
+
+    def _try_send(self, frames: list) -> bool:
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:  # the worker's socket is full: the message stays first in line
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.counters["tcp_unroutable"] += 1  # the worker is gone; nobody to tell
+            return True
+
+    def _flush_outbox(self) -> None:
+        handed = 0
+        for identity in self._outbox.destinations():
+            handed += self._outbox.flush(identity, self._try_send)
+        self._outbox_stalled = handed == 0 and len(self._outbox) > 0
+
+    def _drain_outbox(self, deadline: float) -> None:
+        """On the way out: hand over what is still queued (a BYE to each worker last),
+        for at most until ``deadline``."""
+        while len(self._outbox) and time.monotonic() < deadline:
+            self._flush_outbox()
+            if len(self._outbox):
+                time.sleep(0.005)
+        if len(self._outbox):
+            logger.warning("server %d stops with %d message(s) unsent", self.config.server_index,
+                           len(self._outbox))
 
     # == closing steps ========================================================================
     def _close_steps(self) -> None:
@@ -497,6 +552,7 @@ class Server:
             flags |= FLAG_SPARSE
             self.counters["replies_sparse"] += 1
         self.counters["reply_bytes"] += sum(c.nbytes for c in chunks) * self.config.num_workers
+        priority = self._push_priority.get(key, 0)
         for rank in range(self.config.num_workers):
             header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
                             dtype=dtype_code(payload.dtype), key=closed.key,
@@ -504,9 +560,10 @@ class Server:
                             n_elems=payload.size, block_elems=closed.block_elems,
                             block=n_blocks, udp_expected=int(closed.udp_expected[rank]),
                             udp_merged=int(closed.udp_merged[rank]),
-                            udp_late=int(closed.udp_late[rank]), grace_us=min(grace_us, 2**32 - 1))
+                            udp_late=int(closed.udp_late[rank]), grace_us=min(grace_us, 2**32 - 1),
+                            priority=priority)
             bitmap = np.packbits(closed.missing[rank]) if closed.missing is not None else b""
-            self._send(rank, header, bitmap, *index_frames, *chunks)
+            self._send(rank, header, bitmap, *index_frames, *chunks, priority=priority)
         self.counters["steps_closed"] += 1
         if logger.isEnabledFor(logging.DEBUG):
             now = time.monotonic()

@@ -55,7 +55,8 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
            "sum_reply_frames", "SPARSE_REPLY_MIN_SAVING",
            "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
-           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "NO_RANK", "expected_fragment_bytes",
+           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "NO_RANK", "PRIORITY_CONTROL",
+           "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
            "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
@@ -64,8 +65,12 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
 CHUNK_BYTES = 1 << 20
 
 MAGIC = b"DG"
-VERSION = 1
+VERSION = 2  # 2: the header carries a priority
 NO_RANK = 0xFFFF
+# Priorities of messages that are not gradients: control messages pass every data message,
+# BYE leaves after them all.
+PRIORITY_CONTROL = 2 ** 31 - 1
+PRIORITY_LAST = -2 ** 31
 
 FLAG_ALL_RELIABLE = 1  # PUSH: the payload is the whole part, no index frame
 FLAG_FEEDBACK = 2  # REPLY: a missing-slot bitmap follows the payload
@@ -112,13 +117,14 @@ class Header(NamedTuple):
     udp_merged: int = 0
     udp_late: int = 0
     grace_us: int = 0
+    priority: int = 0  # MXNet's: higher is more urgent; replies inherit their push's
 
     def debug_str(self) -> str:
         return (f"{self.type.name} W{self.rank} k={self.key}.{self.part} s={self.step} "
                 f"b={self.block} f={self.frag} ch={self.channel}")
 
 
-_STRUCT = struct.Struct("<2sBBIHBBIHHIIIIIIIIII")
+_STRUCT = struct.Struct("<2sBBIHBBIHHIIIIIIIIIIi")
 HEADER_BYTES = _STRUCT.size
 
 # The same layout as a numpy record, to build or check many datagram headers at once.
@@ -127,7 +133,7 @@ HEADER_DTYPE = np.dtype([
     ("channel", "u1"), ("dtype", "u1"), ("key", "<u4"), ("part", "<u2"), ("flags", "<u2"),
     ("step", "<u4"), ("n_elems", "<u4"), ("block_elems", "<u4"), ("frag_elems", "<u4"),
     ("block", "<u4"), ("frag", "<u4"), ("udp_expected", "<u4"), ("udp_merged", "<u4"),
-    ("udp_late", "<u4"), ("grace_us", "<u4")])
+    ("udp_late", "<u4"), ("grace_us", "<u4"), ("priority", "<i4")])
 assert HEADER_DTYPE.itemsize == HEADER_BYTES
 
 # dtype codes on the wire; only the float codes may travel over UDP.
@@ -137,6 +143,11 @@ _DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float16), 3: np.dtype(np.floa
 _CODES = {v: k for k, v in _DTYPES.items()}
 FLOAT_CODES = (1, 2)
 _MAX_ELEMS = 2 ** 32 - 1
+
+
+def clamp_priority(priority: int) -> int:
+    """An MXNet priority (any int) as the header's signed 32 bits."""
+    return max(PRIORITY_LAST, min(PRIORITY_CONTROL, int(priority)))
 
 
 def dtype_code(dtype) -> int:
@@ -159,7 +170,7 @@ def encode_header(header: Header) -> bytes:
                         header.channel, header.dtype, header.key, header.part, header.flags,
                         header.step, header.n_elems, header.block_elems, header.frag_elems,
                         header.block, header.frag, header.udp_expected, header.udp_merged,
-                        header.udp_late, header.grace_us)
+                        header.udp_late, header.grace_us, header.priority)
 
 
 def decode_header(buf) -> Header:

@@ -36,8 +36,9 @@ from .stats import JsonLinesSink, StepStats
 from .transport.links import ServerLinks
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLOAT_CODES, HEADER_BYTES,
-                   NO_RANK, Header, MsgType, code_dtype, data_headers, decode_blocks,
-                   decode_header, dtype_code, encode_header, split_blocks, split_dense)
+                   NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType, clamp_priority,
+                   code_dtype, data_headers, decode_blocks, decode_header, dtype_code,
+                   encode_header, split_blocks, split_dense)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -224,7 +225,7 @@ class Worker:
         self.num_workers = config.num_workers
 
         self._links = ServerLinks(self._ctx, addrs, config.udp_channels, self._on_message,
-                                  self._expire, self._fail_all)
+                                  self._expire, self._fail_all, config.priority_order)
         self._hello()
         if config.stats:
             self._sink = JsonLinesSink(config.stats_path(self.rank))
@@ -254,13 +255,14 @@ class Worker:
             return self._stats
 
     def pushpull(self, key: int, flat: np.ndarray, step_stats: Optional[StepStats] = None,
-                 out: Optional[np.ndarray] = None) -> Pending:
+                 out: Optional[np.ndarray] = None, priority: int = 0) -> Pending:
         """Push ``flat`` (this worker's gradient of ``key``) and get the merged result.
 
         Thread-safe.  ``step_stats`` is what :meth:`begin` returned for this push (it is
         called here when omitted).  The array is read asynchronously: do not modify it until
         the result is ready.  The result lands in ``out`` (flat, same size and dtype) when
         given, else in an array the key's next pushpull reuses: copy it if you keep it longer.
+        ``priority`` is MXNet's (higher: sent and answered sooner, see ``DGT_PRIORITY_ORDER``).
         """
         self._check_usable()
         flat = self._as_flat(flat)
@@ -292,8 +294,10 @@ class Worker:
                 plan.steps[part.index] += 1
             plan.last = pending
         k = step_stats.k if step_stats is not None else self._threshold.k
+        priority = clamp_priority(priority)
         for part, step in zip(plan.parts, steps):
-            self._push_part(key, part, step, flat[part.start:part.stop], pending, step_stats, k)
+            self._push_part(key, part, step, flat[part.start:part.stop], pending, step_stats, k,
+                            priority)
         return pending
 
     def server_of(self, key: int, n_elems: int) -> Optional[int]:
@@ -330,7 +334,7 @@ class Worker:
         """Store rank 0's value of ``key`` on the servers (MXNet's ``kv.init``)."""
         return self._init_or_broadcast(key, flat, "init")
 
-    def pull(self, key: int, shape_like: np.ndarray) -> Pending:
+    def pull(self, key: int, shape_like: np.ndarray, priority: int = 0) -> Pending:
         """The stored value of ``key``: last merged gradient, or weights with a server-side
         optimizer.  A pending push of the key is waited for first."""
         self._check_usable()
@@ -343,8 +347,9 @@ class Worker:
         for part in plan.parts:
             serial = next(self._serial)
             header = self._header(MsgType.PULL, key, part, serial, flat.dtype, part.n_elems)
+            header = header._replace(priority=clamp_priority(priority))
             self._register(("value", key, part.index, serial), _Inflight(pending, part, time.time()))
-            self._send(part.server, [encode_header(header)])
+            self._send(part.server, [encode_header(header)], header.priority)
         return pending
 
     def set_optimizer(self, optimizer_blob: bytes) -> None:
@@ -408,7 +413,8 @@ class Worker:
         with self._round_lock:
             self._finish_round()
         for server in range(len(self._addrs)):
-            self._send(server, [encode_header(self._header(MsgType.BYE, 0, None, 0))])
+            self._send(server, [encode_header(self._header(MsgType.BYE, 0, None, 0))],
+                       PRIORITY_LAST)  # after every message still queued
         self._links.close()  # the BYEs leave first
         self._udp.close()
         if self._sink is not None:
@@ -422,7 +428,7 @@ class Worker:
 
     # == push path ============================================================================
     def _push_part(self, key: int, part: Part, step: int, values: np.ndarray,
-                   pending: Pending, stats: Optional[StepStats], k: float) -> None:
+                   pending: Pending, stats: Optional[StepStats], k: float, priority: int) -> None:
         cfg = self.config
         code = dtype_code(values.dtype)
         frag_elems = fragment_elems(cfg.block_elems, values.dtype.itemsize,
@@ -434,14 +440,14 @@ class Worker:
         inflight = _Inflight(pending, part, time.time(), layout=layout, ident=ident, stats=stats)
         base = Header(MsgType.PUSH, job=cfg.job_id, rank=self.rank, dtype=code, key=key,
                       part=part.index, step=step, n_elems=part.n_elems,
-                      block_elems=cfg.block_elems, frag_elems=frag_elems)
+                      block_elems=cfg.block_elems, frag_elems=frag_elems, priority=priority)
         scratch = self._scratch(ident, values)
         if not differential:
             self._register(("push", key, part.index, step), inflight)
             header = base._replace(flags=FLAG_ALL_RELIABLE, block=blocks.n_blocks)
             everything = np.arange(blocks.n_blocks)
             self._send(part.server, [encode_header(header),
-                                     *split_blocks(blocks, everything, values)])
+                                     *split_blocks(blocks, everything, values)], priority)
             self._count(stats, 0, blocks.n_blocks, values.nbytes)
             return
         if cfg.error_feedback:
@@ -459,7 +465,7 @@ class Worker:
         payload = blocks.gather(values, reliable, out=scratch.gathered)
         self._register(("push", key, part.index, step), inflight)
         self._send(part.server, [encode_header(header), reliable,
-                                 *split_blocks(blocks, reliable, payload)])
+                                 *split_blocks(blocks, reliable, payload)], priority)
         self._count(stats, 0, len(reliable), payload.nbytes)
         for channel in range(1, cfg.udp_channels + 1):
             chosen = channels[udp_blocks] == channel
@@ -467,7 +473,8 @@ class Worker:
                         int(blocks.block_lengths[udp_blocks[chosen]].sum()) * values.dtype.itemsize)
         if len(slots):
             self._send_datagrams(base, layout, values, channels, slots, stats, part.server)
-            self._send(part.server, [encode_header(base._replace(type=MsgType.PUSH_END))])
+            self._send(part.server, [encode_header(base._replace(type=MsgType.PUSH_END))],
+                       priority)
 
     def _scratch(self, ident, values: np.ndarray) -> "_Scratch":
         """Per-part buffers reused every step: fresh arrays of this size would page-fault on
@@ -597,8 +604,9 @@ class Worker:
         with self._inflight_lock:
             self._inflight[ident] = inflight
 
-    def _send(self, server: int, frames: list) -> None:
-        self._links.send(server, frames)
+    def _send(self, server: int, frames: list, priority: int = PRIORITY_CONTROL) -> None:
+        """Queue a message; control messages (the default) pass every queued gradient."""
+        self._links.send(server, frames, priority)
 
     def _check_usable(self) -> None:
         if self._fatal is not None:

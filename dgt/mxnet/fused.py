@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from ..fusion import Bucket, Slot
+from ..wire import PRIORITY_LAST
 from ..worker import Pending, Worker
 from .engine import Completion, HostBuffers, push_async, sum_into
 
@@ -57,6 +58,7 @@ class _Round:
     def __init__(self, bucket: Bucket, buffers: _BucketBuffers, stats):
         self.bucket, self.buffers, self.stats = bucket, buffers, stats
         self.collected: List[int] = []
+        self.priority = PRIORITY_LAST  # raised by every member that comes
         self.opened_s = time.monotonic()
         self._lock = threading.Lock()
         self._owner: Optional[Completion] = None
@@ -133,6 +135,7 @@ class Fuser:
                 self._start_watchdog()
         sum_into(values, buffers.send_views[slot.index])
         round_.collected.append(slot.index)
+        round_.priority = max(round_.priority, priority)  # as urgent as its most urgent member
         for out in outs:
             buffers.recv_views[slot.index].copyto(out)
         if slot.last:
@@ -141,23 +144,23 @@ class Fuser:
                 if ours:
                     del self._open[bucket.key]
             if ours:  # else the watchdog sent it already
-                self._seal(round_, priority)
+                self._seal(round_)
 
     def flush(self) -> None:
         """Seal every open round now (its members travel one by one)."""
         with self._open_lock:
             rounds, self._open = list(self._open.values()), {}
         for round_ in rounds:
-            self._seal(round_, 0)
+            self._seal(round_)
 
     def close(self) -> None:
         self.flush()
         self._closed.set()
 
     # -- sealing ------------------------------------------------------------------------------
-    def _seal(self, round_: _Round, priority: int) -> None:
+    def _seal(self, round_: _Round) -> None:
         push_async(lambda completion: self._send_round(round_, completion),
-                   reads=[round_.buffers.send], writes=[], priority=priority,
+                   reads=[round_.buffers.send], writes=[], priority=round_.priority,
                    name="dgt_fused_push")
 
     def _send_round(self, round_: _Round, completion: Completion) -> None:
@@ -170,12 +173,13 @@ class Fuser:
         try:
             if complete:
                 pendings = [self._worker.pushpull(bucket.key, buffers.send_host, round_.stats,
-                                                  out=result)]
+                                                  out=result, priority=round_.priority)]
             else:  # only the members that came are copied out of this round
                 offsets = bucket.offsets
                 pendings = [self._worker.pushpull(
                     bucket.members[i].key, buffers.send_host[offsets[i]:offsets[i + 1]],
-                    round_.stats, out=result[offsets[i]:offsets[i + 1]])
+                    round_.stats, out=result[offsets[i]:offsets[i + 1]],
+                    priority=round_.priority)
                     for i in round_.collected]
         except Exception as exc:  # noqa: BLE001 - raised by the next call of the store
             self._remember_error(exc)
@@ -207,4 +211,4 @@ class Fuser:
             for round_ in rounds:
                 self._on_stall(f"bucket {round_.bucket.key} waited {STALL_S:g} s for its last "
                                f"{len(round_.bucket.members) - len(round_.collected)} key(s)")
-                self._seal(round_, 0)
+                self._seal(round_)

@@ -122,17 +122,18 @@ class DGT(KVStoreBase):
             buffers = self._buffers_for(key_id, values[0])
             sum_into(values, buffers.send)
             stats = self._worker.begin(key_id)  # program order, for the step statistics
-            push_async(functools.partial(self._exchange, key_id, buffers, stats),
+            push_async(functools.partial(self._exchange, key_id, buffers, stats, priority),
                        reads=[buffers.send], writes=[buffers.recv], priority=priority)
             for target in outs:
                 buffers.recv.copyto(target)
 
-    def _exchange(self, key_id: int, buffers: HostBuffers, stats, completion) -> None:
+    def _exchange(self, key_id: int, buffers: HostBuffers, stats, priority: int,
+                  completion) -> None:
         """The engine operator of one pushpull: hand the gradient to the worker and complete
         when the reply is in ``buffers.recv`` (on the I/O thread, or at the timeout)."""
         try:
             pending = self._worker.pushpull(key_id, buffers.send_host, stats,
-                                            out=buffers.recv_host)
+                                            out=buffers.recv_host, priority=priority)
         except Exception as exc:  # noqa: BLE001 - raised by the next kvstore call
             self._remember_error(exc)
             completion()
@@ -161,7 +162,7 @@ class DGT(KVStoreBase):
             key_id = self._key_id(k)
             pending = self._pushed.pop(key_id, None)
             if pending is None:
-                pending = self._worker.pull(key_id, _as_list(o)[0].asnumpy())
+                pending = self._worker.pull(key_id, _as_list(o)[0].asnumpy(), priority)
             result = pending.wait()
             for target in _as_list(o):
                 target[:] = _wrap(result, target.shape)

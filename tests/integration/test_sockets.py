@@ -316,3 +316,43 @@ def test_heavy_loss_replies_carry_only_touched_blocks_and_still_sum_exactly(make
     assert counters["replies_sparse"] == 1
     # Both workers got the touched blocks only, not the whole tensor.
     assert counters["reply_bytes"] == 2 * 4 * int(touched.sum())
+
+
+@pytest.mark.parametrize("by_priority", [True, False])
+def test_urgent_message_passes_queued_big_ones(by_priority):
+    """ServerLinks hands its socket only a few messages at a time, so that a message of higher
+    priority queued after 40 big ones of lower priority reaches the peer before most of them
+    (with DGT_PRIORITY_ORDER=0 it comes last, which shows the test can fail)."""
+    import zmq
+
+    from dgt.transport.links import ServerLinks
+
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVHWM, 1)  # back-pressure as a slow link would give
+    router.setsockopt(zmq.RCVBUF, 1 << 16)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    links = ServerLinks(context, [("127.0.0.1", port)], 3, lambda *a: None, lambda now: None,
+                        lambda exc: None, by_priority)
+    try:
+        big = np.zeros(1 << 18, dtype=np.float32)  # 1 MB
+        for index in range(40):
+            links.send(0, [b"big%d" % index, big], priority=-7)
+        time.sleep(0.5)  # the socket and the kernel fill up; the rest waits in the outbox
+        links.send(0, [b"urgent", b""], priority=0)
+        time.sleep(0.2)
+        order = []
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while len(order) < 41 and poller.poll(5000):
+            order.append(router.recv_multipart()[1])
+        assert len(order) == 41, "messages were lost"
+        position = order.index(b"urgent")
+        assert [m for m in order if m != b"urgent"] == [b"big%d" % i for i in range(40)]
+        if by_priority:
+            assert position < 30, f"the urgent message came {position + 1}th of 41"
+        else:
+            assert position == 40
+    finally:
+        links.close()
+        router.close(linger=0)
