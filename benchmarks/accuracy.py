@@ -2,6 +2,7 @@
 
     python benchmarks/accuracy.py [--model alexnet] [--steps 200] [--seeds 0,1,2] \
         [--udp-drop 0.9] [--variants dgt,dgt-ef,dist_sync] [--update-on-kvstore 0] [--name NAME]
+    python benchmarks/accuracy.py --from-csv A.csv --from-csv B.csv --variants ... --name NAME
 
 One accuracy after a short run moves by several points from seed to seed, more than the
 differences between receive modes, so a default is chosen on the mean over seeds.  Each run is
@@ -12,7 +13,9 @@ seeded UDP loss at the sender (``DGT_UDP_DROP``; the testbed's low-priority queu
 accuracy is measured once, at the end, on the whole test set.
 
 Writes ``benchmarks/results/<name>.csv`` (one row per run) and ``<name>.md`` (mean and spread
-per variant, and the gap to ``dist_sync``'s mean).
+per variant, the gap to ``dist_sync``'s mean, and the mean and spread of the same-seed gaps).
+A run is deterministic per seed, so more seeds are added by running only the new ones and
+summarizing the files together (``--from-csv``).
 """
 from __future__ import annotations
 
@@ -42,8 +45,8 @@ VARIANTS = {
     "dgt-fixed-k": ("dgt", {"DGT_ADAPTIVE": "0"}),
     "dgt-k06ef": ("dgt", {"DGT_THRESHOLD": "0.6", "DGT_ERROR_FEEDBACK": "1"}),
 }
-COLUMNS = ("variant", "model", "seed", "steps", "udp_drop", "accuracy", "final_loss",
-           "udp_loss_rate", "wall_s")
+COLUMNS = ("variant", "model", "seed", "steps", "update_on_kvstore", "udp_drop", "accuracy",
+           "final_loss", "udp_loss_rate", "wall_s")
 
 
 def run_one(variant: str, seed: int, args, tmp: str) -> dict:
@@ -67,6 +70,7 @@ def run_one(variant: str, seed: int, args, tmp: str) -> dict:
     with open(log) as f:
         summary = [json.loads(line) for line in f if '"summary"' in line][-1]
     return {"variant": variant, "model": args.model, "seed": seed, "steps": summary["steps"],
+            "update_on_kvstore": args.update_on_kvstore,
             "udp_drop": args.udp_drop if kvstore == "dgt" else "",
             "accuracy": summary["accuracy"], "final_loss": summary["final_loss"],
             "udp_loss_rate": summary.get("udp_loss_rate", ""), "wall_s": round(wall_s, 1)}
@@ -120,6 +124,10 @@ def main() -> int:
                         help="0: the optimizer runs on the workers (update_on_kvstore=False), "
                              "the setting of the fastest testbed runs; auto: MXNet's default")
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--from-csv", action="append", default=[], metavar="CSV",
+                        help="run nothing: summarize the rows of these earlier results files "
+                             "(repeatable; a run is deterministic per seed, so more seeds can "
+                             "be added by a later run of the new seeds only)")
     parser.add_argument("--name", default=time.strftime("accuracy-%Y%m%d-%H%M%S"))
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
@@ -130,6 +138,18 @@ def main() -> int:
     if not 0.0 <= args.udp_drop <= 1.0:
         parser.error(f"--udp-drop={args.udp_drop} is out of range: allowed 0..1")
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.from_csv:
+        rows = read_rows(args.from_csv, variants, args.update_on_kvstore)
+        if not rows:
+            parser.error(f"--from-csv: no rows of {', '.join(variants)} in those files")
+        seeds = sorted({row["seed"] for row in rows})
+        args.seeds = ",".join(str(seed) for seed in seeds)
+        args.steps, args.model = rows[0]["steps"], rows[0]["model"]
+        args.update_on_kvstore = rows[0]["update_on_kvstore"]
+        args.udp_drop = next((float(r["udp_drop"]) for r in rows if r["udp_drop"] != ""),
+                             args.udp_drop)
+        write_results(args, rows, variants)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:  # seed-major, so that a drift of the machine hits every variant
@@ -138,7 +158,43 @@ def main() -> int:
                 rows.append(row)
                 print(f"{variant:13s} seed {seed}: accuracy {row['accuracy']:.4f}, "
                       f"loss {row['final_loss']:.3f} ({row['wall_s']:.0f} s)", flush=True)
+    write_results(args, rows, variants)
+    return 0
+
+
+def read_rows(paths: list, variants: list, update_on_kvstore: str) -> list:
+    """The rows of ``variants`` in earlier results files; they must be of one model, step
+    count, update mode and loss rate, and hold each (variant, seed) once.  Files written
+    before the update mode had a column are taken to be of ``update_on_kvstore``."""
+    rows, seen = [], set()
+    for path in paths:
+        with open(path, newline="") as f:
+            for raw in csv.DictReader(f):
+                if raw["variant"] not in variants:
+                    continue
+                row = dict(raw, seed=int(raw["seed"]), steps=int(raw["steps"]),
+                           update_on_kvstore=raw.get("update_on_kvstore") or update_on_kvstore,
+                           accuracy=float(raw["accuracy"]), final_loss=float(raw["final_loss"]),
+                           udp_loss_rate=float(raw["udp_loss_rate"]) if raw["udp_loss_rate"]
+                           else "")
+                ident = (row["variant"], row["seed"])
+                if ident in seen:
+                    raise SystemExit(f"{path}: {row['variant']} seed {row['seed']} is in more "
+                                     "than one file")
+                seen.add(ident)
+                rows.append(row)
+    for name in ("model", "steps", "update_on_kvstore"):
+        if len({row[name] for row in rows}) > 1:
+            raise SystemExit(f"--from-csv: the files mix several {name} values")
+    drops = {row["udp_drop"] for row in rows if row["udp_drop"] != ""}
+    if len(drops) > 1:
+        raise SystemExit(f"--from-csv: the files mix UDP loss rates {sorted(drops)}")
+    return rows
+
+
+def write_results(args, rows: list, variants: list) -> None:
     os.makedirs(args.results_dir, exist_ok=True)
+    rows = [{name: row.get(name, "") for name in COLUMNS} for row in rows]
     csv_path = os.path.join(args.results_dir, f"{args.name}.csv")
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -154,7 +210,6 @@ def main() -> int:
         f.write(header + table + "\n")
     print("\n" + table)
     print(f"wrote {csv_path}\nwrote {md_path}")
-    return 0
 
 
 if __name__ == "__main__":
