@@ -90,9 +90,9 @@ KNOBS: Tuple[Knob, ...] = (
     # --- transport -------------------------------------------------------------------------
     Knob("priority_order", "DGT_PRIORITY_ORDER", bool, True, "0 or 1", None,
          "1: reliable messages and replies leave most urgent first, by MXNet's priority "
-         "(gluon and Module: the first layers first), so the next forward pass can start "
-         "while the last layers' big tensors still travel. 0: in call order (A/B "
-         "baseline).", "all"),
+         "(gluon and Module: the first layers first), so a first layer's push does not "
+         "wait behind the last layers' big tensors. 0: in call order (A/B baseline).",
+         "all"),
     Knob("udp_payload_bytes", "DGT_UDP_PAYLOAD_BYTES", int, 1400, "64..65000", _in(64, 65000),
          "Largest gradient payload of a UDP datagram (1400 + headers fit a 1500-byte MTU); "
          "servers size their receive rows with it, so set it alike everywhere.", "all"),

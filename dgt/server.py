@@ -142,7 +142,6 @@ class Server:
         self._outbox = PriorityOutbox(config.priority_order)
         self._outbox_stalled = False  # the last hand-over moved nothing
         self._push_priority: Dict[Tuple[int, int], int] = {}  # (key, part) -> its replies'
-
         apply_zmq_priority(self._router, config.udp_channels)
         self._udp, self.port = self._bind(config.bind_host, port)
         self.merger = StepMerger(config.num_workers, config.receive_mode,
