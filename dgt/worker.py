@@ -415,7 +415,7 @@ class Worker:
         for server in range(len(self._addrs)):
             self._send(server, [encode_header(self._header(MsgType.BYE, 0, None, 0))],
                        PRIORITY_LAST)  # after every message still queued
-        self._links.close()  # the BYEs leave first
+        self._links.close()  # hands over what is queued, the BYEs last
         self._udp.close()
         if self._sink is not None:
             self._sink.close()

@@ -58,7 +58,3 @@ class PriorityOutbox:
             heapq.heappop(queue)
             handed += 1
         return handed
-
-    def drop(self, destination: Hashable) -> int:
-        """Forget every message for ``destination`` (it left); returns how many."""
-        return len(self._queues.pop(destination, ()))
