@@ -13,6 +13,9 @@ parser.add_argument("--kvstore", required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--devices", type=int, default=1)
+parser.add_argument("--simulate-workers", type=int, default=0,
+                    help="oracle: one process, a local kvstore, and each simulated worker's "
+                         "batch on its own devices (the arithmetic of a synchronous N-worker job)")
 parser.add_argument("--update-on-kvstore", choices=("auto", "0", "1"), default="auto")
 parser.add_argument("--report-loss", action="store_true")
 parser.add_argument("--first-step", type=int, default=0, help="resume: load --states first")
@@ -25,7 +28,8 @@ args = parser.parse_args()
 
 mx.random.seed(7)
 np.random.seed(7)
-contexts = [mx.cpu(i) for i in range(args.devices)]
+simulated_workers = args.simulate_workers or 1
+contexts = [mx.cpu(i) for i in range(args.devices * simulated_workers)]
 net = gluon.nn.HybridSequential()
 net.add(gluon.nn.Dense(300, activation="relu"), gluon.nn.Dense(64, activation="relu"),
         gluon.nn.Dense(10))
@@ -36,6 +40,7 @@ trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "mo
                         kvstore=args.kvstore, update_on_kvstore=uok)
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 rank = int(os.environ.get("DGT_RANK", "0"))
+ranks = range(simulated_workers) if args.simulate_workers else [rank]
 batch = 16
 if args.first_step:
     net.load_parameters(args.states + ".params", ctx=contexts)
@@ -45,9 +50,12 @@ for step in range(args.first_step, args.steps):
     if args.freeze_head_after and step == args.freeze_head_after:
         for param in net[2].collect_params().values():
             param.grad_req = "null"
-    rng = np.random.RandomState(1000 * step + rank)  # every worker sees different data
-    x = rng.randn(batch * args.devices, 200).astype(np.float32)
-    y = rng.randint(0, 10, batch * args.devices)
+    xs_by_rank, ys_by_rank = [], []
+    for data_rank in ranks:
+        rng = np.random.RandomState(1000 * step + data_rank)  # every worker sees different data
+        xs_by_rank.append(rng.randn(batch * args.devices, 200).astype(np.float32))
+        ys_by_rank.append(rng.randint(0, 10, batch * args.devices))
+    x, y = np.concatenate(xs_by_rank), np.concatenate(ys_by_rank)
     xs = gluon.utils.split_and_load(x, contexts)
     ys = gluon.utils.split_and_load(y, contexts)
     with autograd.record():
@@ -67,7 +75,7 @@ kv = trainer._kvstore
 if args.states and not args.first_step and kv.rank == 0:
     net.save_parameters(args.states + ".params")
     trainer.save_states(args.states + ".states")
-assert kv is not None, "the kvstore was dropped: training ran locally"
+assert kv is not None, "the kvstore was dropped: training ran without it"
 params = net.collect_params()
 weights = np.concatenate([params[name].data(contexts[-1]).asnumpy().ravel()
                           for name in sorted(params.keys())])
