@@ -83,9 +83,12 @@ class UdpSender:
                     sock.sendmsg((chunk,), (), 0, addr)
                 sent += last - first
             except OSError as exc:
+                # EMSGSIZE: a segment does not fit the route's MTU, and segmentation never
+                # fragments; one datagram at a time, the IP layer may.
                 if last - first > 1 and exc.errno in (errno.EINVAL, errno.EIO, errno.ENOPROTOOPT,
-                                                      errno.EOPNOTSUPP):
-                    logger.info("UDP GSO unavailable (%s); sending datagrams one by one", exc)
+                                                      errno.EOPNOTSUPP, errno.EMSGSIZE):
+                    logger.info("UDP GSO unavailable for %d-byte datagrams (%s); sending them "
+                                "one by one", row_bytes, exc)
                     self.gso = False
                     more_sent, more_refused = self.send_rows(
                         channel, addr, rows[first:])

@@ -1,0 +1,78 @@
+"""The UDP channel over localhost: segmentation offload and its fallback."""
+import errno
+import time
+
+import numpy as np
+import pytest
+
+from dgt.transport.udp import UdpReceiver, UdpSender
+
+
+def rows_of(count, row_bytes):
+    rows = np.zeros((count, row_bytes), dtype=np.uint8)
+    rows[:, :4] = np.arange(count, dtype="<u4").view(np.uint8).reshape(count, 4)
+    rows[:, 4:] = np.random.RandomState(0).randint(0, 256, (count, row_bytes - 4))
+    return rows
+
+
+def receive(receiver, count, row_bytes, timeout_s=5.0):
+    got = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        n = receiver.receive_batch()
+        for i in range(n):
+            assert receiver.sizes[i] == row_bytes
+            row = receiver.rows[i, :row_bytes].copy()
+            got[int(row[:4].view("<u4")[0])] = row
+        if not n:
+            time.sleep(0.001)
+    return got
+
+
+class RefusesSegmentation:
+    """A socket whose kernel refuses UDP_SEGMENT with ``code``, as a route whose MTU is below
+    the segment size does (EMSGSIZE) or a kernel without GSO (EINVAL)."""
+
+    def __init__(self, sock, code):
+        self.sock, self.code, self.refused = sock, code, 0
+
+    def sendmsg(self, buffers, ancillary, flags, addr):
+        if ancillary:
+            self.refused += 1
+            raise OSError(self.code, "refused")
+        return self.sock.sendmsg(buffers, ancillary, flags, addr)
+
+
+@pytest.mark.parametrize("row_bytes", [1464, 8256])
+@pytest.mark.parametrize("refusal", [None, errno.EMSGSIZE, errno.EINVAL])
+def test_every_row_arrives_with_or_without_segmentation_offload(row_bytes, refusal):
+    receiver = UdpReceiver("127.0.0.1", 0, 1 << 24, row_bytes=row_bytes, batch_rows=256)
+    sender = UdpSender(1, 1 << 24)
+    if refusal:
+        sender._socks[0] = fake = RefusesSegmentation(sender._socks[0], refusal)
+    try:
+        rows = rows_of(150, row_bytes)
+        sent, refused = sender.send_rows(1, receiver.sock.getsockname(), rows)
+        assert (sent, refused) == (150, 0)
+        assert sender.gso == (refusal is None)
+        if refusal:
+            assert fake.refused == 1  # learnt once, not retried per call
+        got = receive(receiver, 150, row_bytes)
+        assert sorted(got) == list(range(150))
+        for index, row in got.items():
+            np.testing.assert_array_equal(row, rows[index])
+    finally:
+        sender._socks[0] = getattr(sender._socks[0], "sock", sender._socks[0])
+        sender.close()
+        receiver.close()
+
+
+def test_an_unexpected_send_error_is_raised_not_hidden():
+    sender = UdpSender(1, 1 << 20)
+    sender._socks[0] = fake = RefusesSegmentation(sender._socks[0], errno.EBADF)
+    try:
+        with pytest.raises(OSError):
+            sender.send_rows(1, ("127.0.0.1", 9), rows_of(4, 1464))
+    finally:
+        sender._socks[0] = fake.sock
+        sender.close()
