@@ -50,9 +50,10 @@ def synchronous_sgd(out, *extra, workers=2):
     """The oracle: the same job in one process, each worker's batch on its own devices of a
     local kvstore, which sums the gradients as a synchronous parameter server does.
 
-    Not MXNet's dist_sync itself: with worker-side updates it ends, in about 1 run in 4, in a
+    Not MXNet's dist_sync itself: with worker-side updates it ended, in 2 runs of 8, in a
     different state (both replicas alike, the weights off by up to 4.7), so one run of it is no
-    oracle.  The module test below compares with dist_sync where it is deterministic."""
+    oracle.  The module test below compares with dist_sync with the optimizer on the server,
+    which repeated to the bit (6 runs of 6)."""
     cmd = [sys.executable, str(JOBS / "gluon_job.py"), "--kvstore", "device", "--out", str(out),
            "--simulate-workers", str(workers), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
