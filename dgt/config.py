@@ -94,7 +94,8 @@ KNOBS: Tuple[Knob, ...] = (
          "wait behind the last layers' big tensors. 0: in call order (A/B baseline).",
          "all"),
     Knob("udp_payload_bytes", "DGT_UDP_PAYLOAD_BYTES", int, 1400, "64..65000", _in(64, 65000),
-         "Largest gradient payload of a UDP datagram (1400 + headers fit a 1500-byte MTU); "
+         "Largest gradient payload of a UDP datagram (1400 + headers fit a 1500-byte MTU; "
+         "above the MTU, IP fragments each datagram and one lost fragment loses all of it); "
          "servers size their receive rows with it, so set it alike everywhere.", "all"),
     Knob("udp_buffer_bytes", "DGT_UDP_BUFFER_BYTES", int, 16 << 20, "65536..1073741824",
          _in(1 << 16, 1 << 30), "SO_SNDBUF / SO_RCVBUF of the UDP sockets.", "all"),
