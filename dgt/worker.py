@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 _ACTIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
-
 def report_loss(value: float) -> None:
     """Feed the training loss to the adaptive threshold of every worker in this process.
 
@@ -602,6 +601,10 @@ class Worker:
 
     def _register(self, ident: tuple, inflight: _Inflight) -> None:
         with self._inflight_lock:
+            # _fail_all may have emptied the table since this call's _check_usable; an entry
+            # added now would wait for an I/O thread that is gone.
+            if self._fatal is not None:
+                raise self._fatal
             self._inflight[ident] = inflight
 
     def _send(self, server: int, frames: list, priority: int = PRIORITY_CONTROL) -> None:

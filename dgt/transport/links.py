@@ -19,6 +19,11 @@ import time
 from typing import Callable, List, Tuple
 
 import zmq
+# Zero-copy sends hand their buffers to pyzmq's garbage collector, which refuses work once its
+# atexit handler has run.  Imported here, before any dgt atexit handler is registered, its
+# handler runs after them (atexit runs the last registered first), so a kvstore that closes
+# at exit (after a crash in the training script, say) can still send what it owes.
+import zmq.utils.garbage  # noqa: F401
 
 from .outbox import PriorityOutbox
 from .priority import apply_zmq_priority
