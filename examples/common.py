@@ -25,6 +25,19 @@ from models import INIT, INPUT_SIZE, get_model
 KVSTORES = ("dgt", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod", "local")
 
 
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum``, refused with a message that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}: allowed {minimum}..")
+        return value
+    return parse
+
+
 def build_parser(model: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=f"Train {model} with data-parallel workers; compare kvstores.",
@@ -44,7 +57,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
     parser.add_argument("--algo", default="bsp", choices=("bsp", "fedavg"),
                         help="bsp: synchronise gradients every step; fedavg: train "
                              "--local-steps locally, then average model deltas")
-    parser.add_argument("--local-steps", type=int, default=5,
+    parser.add_argument("--local-steps", type=int_at_least(1), default=5,
                         help="local steps between two FedAvg averaging rounds")
     parser.add_argument("--kvstore", default="dgt", choices=KVSTORES,
                         help="gradient transport: dgt, MXNet dist_sync (plain, 2-bit "
@@ -55,19 +68,22 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                              "auto lets MXNet choose (the servers, for dgt and dist_sync); 0 "
                              "runs it on every worker, and dgt's servers then answer with the "
                              "blocks that some worker's gradient reached only")
-    parser.add_argument("--epochs", type=int, default=1, help="passes over each worker's shard")
-    parser.add_argument("--max-steps", type=int, default=0,
+    parser.add_argument("--epochs", type=int_at_least(1), default=1,
+                        help="passes over each worker's shard")
+    parser.add_argument("--max-steps", type=int_at_least(0), default=0,
                         help="stop after this many steps in all (0: no limit)")
-    parser.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=32,
+                        help="per-worker batch size")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data, partition and init")
-    parser.add_argument("--eval-samples", type=int, default=0,
+    parser.add_argument("--eval-samples", type=int_at_least(0), default=0,
                         help="test samples used for accuracy (0: the whole test set)")
     parser.add_argument("--log", default="",
                         help="JSON-lines curve file ('{model}', '{kvstore}' are filled in); "
                              "`python -m dgt.plot` draws it")
-    parser.add_argument("--log-every", type=int, default=10, help="steps between curve points")
-    parser.add_argument("--eval-every", type=int, default=0,
+    parser.add_argument("--log-every", type=int_at_least(1), default=10,
+                        help="steps between curve points")
+    parser.add_argument("--eval-every", type=int_at_least(0), default=0,
                         help="also measure test accuracy every this many steps (0: per epoch)")
     parser.add_argument("--save-params", default="",
                         help="write the final parameters of this worker to this .npy path "
