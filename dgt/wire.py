@@ -3,10 +3,10 @@
 Every message, TCP frame or UDP datagram, starts with the same fixed little-endian
 :class:`Header` (magic ``b"DG"``, a version byte, a message type; ``priority`` is MXNet's
 priority of the push, which its reply inherits, see :mod:`dgt.transport.outbox`).
-``decode_*`` check every length and range *before* any payload byte is used; a datagram that fails a check raises
-:class:`~dgt.errors.RemoteProtocolError` and the receiver counts and drops it.  Nothing is ever
-unpickled from the network except the optimizer a worker sends with ``set_optimizer`` (as MXNet
-does), which travels over the reliable channel.
+``decode_*`` check every length and range *before* any payload byte is used; a datagram that
+fails a check raises :class:`~dgt.errors.RemoteProtocolError` and the receiver counts and drops
+it.  Nothing is ever unpickled from the network except the optimizer a worker sends with
+``set_optimizer`` (as MXNet does), which travels over the reliable channel.
 
 Reliable (TCP, ZeroMQ multipart) messages:
 
