@@ -68,6 +68,12 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("udp_channels", "DGT_UDP_CHANNELS", int, 3, "1..7", _in(1, 7),
          "Number C of lossy UDP channels; blocks below the threshold are split in C equal "
          "bands, most important on channel 1.", "all"),
+    Knob("shared_ranking", "DGT_SHARED_RANKING", bool, False, "0 or 1", None,
+         "1: every worker ranks blocks by the sum of all workers' contributions (each push "
+         "carries its block scores, each reply their sum), so all pick the same reliable "
+         "blocks: their sums are complete, and the reply (optimizer on the workers) carries "
+         "little more than those blocks. 0: each worker ranks by its own contribution, as the "
+         "reference does.", "worker"),
     Knob("random_order", "DGT_RANDOM_ORDER", bool, False, "0 or 1", None,
          "Ablation: rank blocks in a random order (seeded, new each step) instead of by "
          "contribution.", "worker"),
@@ -197,6 +203,7 @@ class Config:
     adaptive: bool = False
     adaptive_smoothing: float = 0.9
     udp_channels: int = 3
+    shared_ranking: bool = False
     random_order: bool = False
     send_drop: bool = False
     receive_mode: str = "drop"

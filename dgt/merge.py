@@ -93,6 +93,9 @@ class ClosedStep:
     block_elems: int = 0
     first_push_time: float = 0.0
     last_push_time: float = 0.0
+    # The sum of the block scores every worker's PUSH carried (shared ranking); None unless
+    # all of them carried some.
+    scores: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -108,6 +111,8 @@ class _OpenStep:
     late_blocks: np.ndarray  # (n_blocks,) diff mode: blocks a late fragment was added to
     last_push_time: float = 0.0
     first_push_time: Optional[float] = None
+    scores: Optional[np.ndarray] = None  # (n_blocks,) float32: sum of the pushes' scores
+    scored: int = 0  # how many workers' pushes carried scores
 
 
 @dataclass
@@ -186,12 +191,13 @@ class StepMerger:
         return open_step
 
     def add_push(self, header: Header, blocks: np.ndarray, chunks: List[np.ndarray],
-                 now: float) -> None:
+                 now: float, scores: Optional[np.ndarray] = None) -> None:
         """The reliable part of ``header.rank``'s step ``header.step``.
 
         ``blocks`` are ascending block indices; ``chunks`` their values at true lengths (see
         :meth:`BlockLayout.gather`), cut at whole blocks as :meth:`BlockLayout.chunk_blocks`
-        does for :func:`dgt.wire.chunk_elems`.  Raises RemoteProtocolError on any
+        does for :func:`dgt.wire.chunk_elems`.  ``scores`` (one per block, optional) are
+        summed over the workers for the closed step.  Raises RemoteProtocolError on any
         inconsistency; nothing is merged then.
         """
         rank = header.rank
@@ -212,6 +218,9 @@ class StepMerger:
             raise RemoteProtocolError(
                 f"PUSH payload frames ({[c.size for c in chunks]} elements) do not match its "
                 f"{len(blocks)} blocks")
+        if scores is not None and scores.shape != (layout.n_blocks,):
+            raise RemoteProtocolError(f"PUSH carries {scores.size} block scores, the part has "
+                                      f"{layout.n_blocks} blocks")
         max_udp = int(state.layout.n_slots)
         if header.udp_expected > max_udp:
             raise RemoteProtocolError(f"PUSH announces {header.udp_expected} datagrams, the "
@@ -238,6 +247,12 @@ class StepMerger:
             for group, chunk in zip(groups, chunks):
                 layout.scatter_add_(open_step.acc, group, chunk)
         open_step.pushed[rank] = True
+        if scores is not None:
+            if open_step.scores is None:
+                open_step.scores = scores.astype(np.float32, copy=True)
+            else:
+                open_step.scores += scores
+            open_step.scored += 1
         if open_step.first_push_time is None:
             open_step.first_push_time = now
         open_step.udp_expected[rank] = header.udp_expected
@@ -417,7 +432,8 @@ class StepMerger:
                           open_step.udp_expected.copy(), open_step.received.sum(axis=1),
                           late, max(0.0, now - open_step.last_push_time), touched,
                           layout.blocks.block_elems, open_step.first_push_time or now,
-                          open_step.last_push_time)
+                          open_step.last_push_time,
+                          open_step.scores if open_step.scored == self.num_workers else None)
 
     def forget(self, key: int, part: int) -> None:
         """Drop every state of a part (used when a job re-initialises a key)."""

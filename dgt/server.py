@@ -33,10 +33,10 @@ from .transport.links import CLOSE_DRAIN_S, SOCKET_QUEUE_MESSAGES
 from .transport.outbox import PriorityOutbox
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLAG_WEIGHTS, HEADER_BYTES,
-                   HEADER_DTYPE, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
-                   check_datagrams, code_dtype, decode_blocks,
-                   decode_header, dtype_code, encode_header, header_runs, split_dense,
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLAG_WEIGHTS,
+                   HEADER_BYTES, HEADER_DTYPE, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header,
+                   MsgType, check_datagrams, code_dtype, decode_blocks, decode_header,
+                   decode_scores, dtype_code, encode_header, header_runs, split_dense,
                    sum_reply_frames)
 
 __all__ = ["Server", "main"]
@@ -409,14 +409,22 @@ class Server:
             raise RemoteProtocolError("PUSH needs an index frame")
         index_frame = np.arange(layout.n_blocks, dtype=np.uint32) if all_reliable \
             else frames[1].buffer
-        payload_frames = [f.buffer for f in frames[(1 if all_reliable else 2):]]
+        first_payload = 1 if all_reliable else 2
+        scores = None
+        if header.flags & FLAG_SCORES:
+            if all_reliable or len(frames) < 3:
+                raise RemoteProtocolError("PUSH with FLAG_SCORES needs an index and a scores "
+                                          "frame")
+            scores = decode_scores(frames[2].buffer, layout.n_blocks)
+            first_payload = 3
+        payload_frames = [f.buffer for f in frames[first_payload:]]
         blocks, chunks = decode_blocks(layout, header.block, index_frame, payload_frames, dtype)
         if self._optimizer is not None and header.key not in self._buckets and \
                 (header.key, header.part) not in self._weights:
             raise RemoteProtocolError(f"push of key {header.key} before its weights were "
                                       "initialised (broadcast/init) on the server")
         self._push_priority[(header.key, header.part)] = header.priority
-        self.merger.add_push(header, blocks, chunks, time.monotonic())
+        self.merger.add_push(header, blocks, chunks, time.monotonic(), scores)
 
     def _on_fuse(self, header: Header, frames) -> None:
         """Record that key ``header.key`` is a bucket: its members' tensors end to end."""
@@ -550,6 +558,10 @@ class Server:
         if index_frames:
             flags |= FLAG_SPARSE
             self.counters["replies_sparse"] += 1
+        score_frames = []
+        if closed.scores is not None:
+            flags |= FLAG_SCORES
+            score_frames = [closed.scores]
         self.counters["reply_bytes"] += sum(c.nbytes for c in chunks) * self.config.num_workers
         priority = self._push_priority.get(key, 0)
         for rank in range(self.config.num_workers):
@@ -562,7 +574,8 @@ class Server:
                             udp_late=int(closed.udp_late[rank]), grace_us=min(grace_us, 2**32 - 1),
                             priority=priority)
             bitmap = np.packbits(closed.missing[rank]) if closed.missing is not None else b""
-            self._send(rank, header, bitmap, *index_frames, *chunks, priority=priority)
+            self._send(rank, header, bitmap, *score_frames, *index_frames, *chunks,
+                       priority=priority)
         self.counters["steps_closed"] += 1
         if logger.isEnabledFor(logging.DEBUG):
             now = time.monotonic()

@@ -15,12 +15,17 @@ type           frames after the header                meaning
 =============  =====================================  ==============================================
 HELLO          --                                     worker joins; rank = requested rank or 0xFFFF
 WELCOME        --                                     server's answer; rank = the worker's rank
-PUSH           block indices (uint32), payload...      reliable part of (key, part, step);
-                                                       ``block`` = #reliable blocks,
-                                                       ``udp_expected`` = #datagrams sent on UDP
+PUSH           block indices (uint32), [scores],       reliable part of (key, part, step);
+               payload...                             ``block`` = #reliable blocks,
+                                                       ``udp_expected`` = #datagrams sent on UDP;
+                                                       scores (FLAG_SCORES): every block's
+                                                       contribution (float32)
 PUSH_END       --                                     the UDP datagrams of (key, part, step) are
                                                        all sent; the grace window starts here
-REPLY          missing-slot bitmap, payload...        merged result of (key, part, step) + stats
+REPLY          missing-slot bitmap, [scores],         merged result of (key, part, step) + stats;
+               [block indices], payload...            scores (FLAG_SCORES): the sum of the
+                                                       workers' scores; block indices
+                                                       (FLAG_SPARSE): the blocks sent
 INIT           [payload...]                           broadcast/init; rank 0 carries the value
 VALUE          payload...                             the stored value (answer to INIT / PULL)
 PULL           --                                     ask for the stored value of (key, part)
@@ -56,9 +61,10 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
            "sum_reply_frames", "SPARSE_REPLY_MIN_SAVING",
            "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
-           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "NO_RANK", "PRIORITY_CONTROL",
+           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "FLAG_SCORES", "NO_RANK",
+           "PRIORITY_CONTROL",
            "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
-           "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs"]
+           "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs", "decode_scores"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
 # buffers of this size are recycled by the allocator, while 64 MB ones are fresh mmaps that
@@ -66,7 +72,7 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
 CHUNK_BYTES = 1 << 20
 
 MAGIC = b"DG"
-VERSION = 2  # 2: the header carries a priority
+VERSION = 3  # 2: the header carries a priority; 3: block scores travel (FLAG_SCORES)
 NO_RANK = 0xFFFF
 # Priorities of messages that are not gradients: control messages pass every data message,
 # BYE leaves after them all.
@@ -77,6 +83,8 @@ FLAG_ALL_RELIABLE = 1  # PUSH: the payload is the whole part, no index frame
 FLAG_FEEDBACK = 2  # REPLY: a missing-slot bitmap follows the payload
 FLAG_WEIGHTS = 4  # REPLY: the payload is updated weights (server-side optimizer)
 FLAG_SPARSE = 8  # REPLY: after the bitmap, an index frame of the blocks sent; the rest are zero
+# PUSH: after the index frame, REPLY: after the bitmap, a frame of block scores (float32)
+FLAG_SCORES = 16
 
 
 class MsgType(enum.IntEnum):
@@ -298,6 +306,15 @@ def decode_blocks(layout: BlockLayout, count: int, index_frame, payload_frames,
         raise RemoteProtocolError(f"payload frames ({[c.size for c in chunks]} elements) do "
                                   f"not match their {len(blocks)} blocks")
     return blocks, chunks
+
+
+def decode_scores(frame, n_blocks: int) -> np.ndarray:
+    """A scores frame (one float32 per block of the part) as a new array, checked."""
+    raw = memoryview(frame).cast("B")
+    if len(raw) != 4 * n_blocks:
+        raise RemoteProtocolError(f"scores frame of {len(raw)} bytes, the part has {n_blocks} "
+                                  "blocks (4 bytes each)")
+    return np.frombuffer(raw, dtype=np.float32).copy()
 
 
 def data_headers(base: Header, channels: np.ndarray, blocks: np.ndarray,

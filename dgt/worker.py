@@ -35,10 +35,10 @@ from .scoring import ContributionState, score_blocks
 from .stats import JsonLinesSink, StepStats
 from .transport.links import ServerLinks
 from .transport.udp import UdpSender
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SPARSE, FLOAT_CODES, HEADER_BYTES,
-                   NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType, clamp_priority,
-                   code_dtype, data_headers, decode_blocks, decode_header, dtype_code,
-                   encode_header, split_blocks, split_dense)
+from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLOAT_CODES,
+                   HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
+                   clamp_priority, code_dtype, data_headers, decode_blocks, decode_header,
+                   decode_scores, dtype_code, encode_header, split_blocks, split_dense)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -201,6 +201,7 @@ class Worker:
         self._serial = itertools.count(1)
         self._keys: Dict[int, _KeyPlan] = {}
         self._scores = ContributionState(config.score_alpha)
+        self._shared_scores: Dict[tuple, np.ndarray] = {}  # (key, part) -> the last reply's sum
         self._scratches: Dict[tuple, _Scratch] = {}
         self._memory = ResidualMemory()
         self._threshold = AdaptiveThreshold(config.threshold, config.threshold_min,
@@ -453,17 +454,28 @@ class Worker:
             values = self._memory.compensate(ident, values, out=scratch.compensated)
             inflight.compensated = values
         scores = score_blocks(self._scores, ident, blocks, values, scratch=scratch.absolute)
+        ranking = scores
+        if cfg.shared_ranking:
+            # Every worker ranks by the same sum (the last reply's), so all send the same
+            # blocks reliably; the first step, with no sum yet, ranks by its own scores.
+            shared = self._shared_scores.get(ident)
+            if shared is not None and shared.shape == scores.shape:
+                ranking = shared
         rng = (np.random.default_rng([cfg.seed, self.rank, key, part.index, step])
                if cfg.random_order else None)
-        channels = assign_channels(scores, k, cfg.udp_channels, rng)
+        channels = assign_channels(ranking, k, cfg.udp_channels, rng)
         reliable = np.flatnonzero(channels == 0).astype(np.uint32)
         udp_blocks = np.flatnonzero(channels)
         udp_blocks = udp_blocks[np.argsort(channels[udp_blocks], kind="stable")]
         slots = layout.slots_of_blocks(udp_blocks) if not cfg.send_drop else np.empty(0, np.int64)
         header = base._replace(block=len(reliable), udp_expected=len(slots))
+        score_frames = []
+        if cfg.shared_ranking:
+            header = header._replace(flags=FLAG_SCORES)
+            score_frames = [np.asarray(scores, dtype=np.float32)]  # a new array every step
         payload = blocks.gather(values, reliable, out=scratch.gathered)
         self._register(("push", key, part.index, step), inflight)
-        self._send(part.server, [encode_header(header), reliable,
+        self._send(part.server, [encode_header(header), reliable, *score_frames,
                                  *split_blocks(blocks, reliable, payload)], priority)
         self._count(stats, 0, len(reliable), payload.nbytes)
         for channel in range(1, cfg.udp_channels + 1):
@@ -704,10 +716,23 @@ class Worker:
         if len(frames) < 2:
             entry.pending._fail(RemoteProtocolError(f"short reply: {header.debug_str()}"))
             return
+        first = 2  # after the header and the missing-slot bitmap
+        if header.flags & FLAG_SCORES:
+            if entry.layout is None or len(frames) < 3:
+                entry.pending._fail(RemoteProtocolError(
+                    f"reply with scores for a push without blocks: {header.debug_str()}"))
+                return
+            try:
+                self._shared_scores[entry.ident] = decode_scores(frames[2].buffer,
+                                                                 entry.layout.blocks.n_blocks)
+            except RemoteProtocolError as exc:
+                entry.pending._fail(RemoteProtocolError(f"{entry.pending.what}: {exc}"))
+                return
+            first = 3
         if header.flags & FLAG_SPARSE:
-            self._fill_sparse(entry, header, frames[2], frames[3:])
+            self._fill_sparse(entry, header, frames[first], frames[first + 1:])
         else:
-            self._fill(entry, header, frames[2:])
+            self._fill(entry, header, frames[first:])
         if entry.pending.done():  # failed while filling
             return
         carried = 0
@@ -724,7 +749,7 @@ class Worker:
         if stats is not None:
             with self._stats_lock:
                 stats.keys += 1
-                payload = frames[3:] if header.flags & FLAG_SPARSE else frames[2:]
+                payload = frames[first + 1:] if header.flags & FLAG_SPARSE else frames[first:]
                 stats.reply_bytes += sum(len(f.buffer) for f in payload)
                 stats.udp_expected += header.udp_expected
                 stats.udp_merged += header.udp_merged

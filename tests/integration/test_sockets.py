@@ -356,3 +356,44 @@ def test_urgent_message_passes_queued_big_ones(by_priority):
     finally:
         links.close()
         router.close(linger=0)
+
+
+def test_shared_ranking_makes_every_worker_send_the_same_blocks(make_job):
+    # Every UDP datagram is dropped, so each step's sum is exactly the reliable blocks.  The
+    # workers' block magnitudes differ, so their own rankings disagree; from step 1 on they
+    # rank by the sum of both workers' scores of the step before, pick the same blocks, and
+    # the reply carries only those.
+    k, n, steps, workers = 0.5, 40 * 1024, 4, 2
+    config, servers = make_job(workers, threshold=k, adaptive=False, udp_drop=1.0,
+                               grace_ms=5, shared_ranking=True)
+    grads = {r: [(np.random.default_rng([r, s]).integers(-8, 9, n) * np.repeat(
+        np.random.default_rng([r, s, 1]).integers(1, 5, n // 1024), 1024)).astype(np.float32)
+                 for s in range(steps)] for r in range(workers)}
+    results = run_workers(config, lambda w: [w.pushpull(0, g).wait().copy()
+                                             for g in grads[w.rank]], workers)
+
+    layout = BlockLayout(n, config.block_elems)
+    alpha = config.score_alpha
+    scores = {r: np.zeros(layout.n_blocks, np.float32) for r in range(workers)}
+    shared = None
+    reply_elems = 0
+    for step in range(steps):
+        expected = np.zeros(n, np.float32)
+        sets = []
+        for rank in range(workers):
+            values = grads[rank][step]
+            scores[rank] = alpha * scores[rank] + (1 - alpha) * block_mean_abs(layout, values)
+            ranking = scores[rank] if shared is None else shared
+            reliable = assign_channels(ranking, k, config.udp_channels) == 0
+            mask = np.repeat(reliable, config.block_elems)
+            expected[mask] += values[mask]
+            sets.append(reliable)
+        if step > 0:
+            assert (sets[0] == sets[1]).all()
+        else:
+            assert (sets[0] != sets[1]).any(), "the workers' own rankings should disagree"
+        reply_elems += int((sets[0] | sets[1]).sum()) * config.block_elems
+        shared = scores[0] + scores[1]
+        for rank in range(workers):
+            np.testing.assert_array_equal(results[rank][step], expected, f"step {step}")
+    assert servers[0].server.counters["reply_bytes"] == workers * 4 * reply_elems

@@ -243,3 +243,25 @@ def test_touched_blocks_are_exactly_those_some_data_reached(mode):
         push(merger, r, 1, data(r), [0])
     closed, = merger.poll(2.0)
     assert closed.touched_blocks.tolist() == [True, True, False]
+
+
+def test_block_scores_are_summed_only_when_every_worker_sent_them():
+    merger = StepMerger(2)
+    blocks = np.array([0, 1, 2])
+    chunks = [LAYOUT.blocks.gather(data(0), blocks)]
+
+    def push_scored(rank, step, scores):
+        header = Header(MsgType.PUSH, rank=rank, dtype=1, key=1, step=step, n_elems=N,
+                        block_elems=B, frag_elems=FE, block=3)
+        merger.add_push(header, blocks, chunks, 0.0, scores)
+
+    push_scored(0, 0, np.array([1.0, 2.0, 3.0], np.float32))
+    push_scored(1, 0, np.array([0.5, 0.25, 4.0], np.float32))
+    closed, = merger.poll(0.0)
+    np.testing.assert_array_equal(closed.scores, [1.5, 2.25, 7.0])
+    push_scored(0, 1, np.array([1.0, 2.0, 3.0], np.float32))
+    push_scored(1, 1, None)  # a worker without shared ranking: no sum for anybody
+    closed, = merger.poll(0.0)
+    assert closed.scores is None
+    with pytest.raises(RemoteProtocolError, match="3 blocks"):
+        push_scored(0, 2, np.ones(4, np.float32))
