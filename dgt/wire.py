@@ -62,8 +62,7 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
            "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
            "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "FLAG_SCORES", "NO_RANK",
-           "PRIORITY_CONTROL",
-           "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
+           "PRIORITY_CONTROL", "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
            "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs", "decode_scores"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and

@@ -397,3 +397,25 @@ def test_shared_ranking_makes_every_worker_send_the_same_blocks(make_job):
         for rank in range(workers):
             np.testing.assert_array_equal(results[rank][step], expected, f"step {step}")
     assert servers[0].server.counters["reply_bytes"] == workers * 4 * reply_elems
+
+
+def test_a_push_with_a_malformed_scores_frame_is_refused(make_job, monkeypatch):
+    from dgt.errors import RemoteProtocolError
+    from dgt.wire import FLAG_SCORES, decode_header
+
+    config, servers = make_job(1, threshold=0.5, shared_ranking=True)
+    with Worker(config.replace(rank=0)) as worker:
+        send = worker._send
+
+        def truncate_scores(server, frames, *args):
+            header = decode_header(frames[0])
+            if header.type is MsgType.PUSH and header.flags & FLAG_SCORES:
+                frames = frames[:2] + [frames[2][:-1]] + frames[3:]
+            send(server, frames, *args)
+
+        monkeypatch.setattr(worker, "_send", truncate_scores)
+        with pytest.raises(RemoteProtocolError, match="scores frame of 16 bytes, the part has 5"):
+            worker.pushpull(0, np.ones(5000, np.float32)).wait()
+    # The push, then its end-of-datagrams marker (a marker without its push).
+    assert servers[0].server.counters["tcp_refused"] == 2
+    assert servers[0].server.counters["steps_closed"] == 0

@@ -4,8 +4,8 @@ import pytest
 from dgt.errors import RemoteProtocolError
 from dgt.partition import BlockLayout
 from dgt.wire import (CHUNK_BYTES, HEADER_BYTES, Header, MsgType, data_headers, decode_blocks,
-                      decode_datagram, decode_header, encode_header, expected_fragment_bytes,
-                      header_runs, split_blocks, sum_reply_frames)
+                      decode_datagram, decode_header, decode_scores, encode_header,
+                      expected_fragment_bytes, header_runs, split_blocks, sum_reply_frames)
 
 
 def data_header(**kw):
@@ -178,3 +178,14 @@ def test_a_sum_reply_is_sparse_only_when_it_leaves_out_a_tenth_of_the_blocks_or_
     for dense in (sum_reply_frames(merged, touched, 1024), sum_reply_frames(merged, None, 1024)):
         assert dense[:2] == ([], 0)
         np.testing.assert_array_equal(np.concatenate(dense[2]), merged)
+
+
+def test_scores_frame_round_trips_and_a_wrong_length_is_refused():
+    scores = np.array([0.5, 2.0, 1e-9], np.float32)
+    frame = bytearray(scores.tobytes())
+    decoded = decode_scores(frame, 3)
+    np.testing.assert_array_equal(decoded, scores)
+    frame[:4] = b"\0\0\0\0"  # a copy: the frame's buffer may be reused once it is decoded
+    assert decoded[0] == 0.5
+    with pytest.raises(RemoteProtocolError, match="scores frame of 12 bytes, the part has 4"):
+        decode_scores(frame, 4)
