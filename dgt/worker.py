@@ -718,9 +718,9 @@ class Worker:
             return
         first = 2  # after the header and the missing-slot bitmap
         if header.flags & FLAG_SCORES:
-            if entry.layout is None or len(frames) < 3:
+            if len(frames) < 3:
                 entry.pending._fail(RemoteProtocolError(
-                    f"reply with scores for a push without blocks: {header.debug_str()}"))
+                    f"reply without its scores frame: {header.debug_str()}"))
                 return
             try:
                 self._shared_scores[entry.ident] = decode_scores(frames[2].buffer,
