@@ -46,6 +46,8 @@ VARIANTS = {
     "dgt-k06ef": ("dgt", {"DGT_THRESHOLD": "0.6", "DGT_ERROR_FEEDBACK": "1"}),
     "dgt-k07ef": ("dgt", {"DGT_THRESHOLD": "0.7", "DGT_ERROR_FEEDBACK": "1"}),
     "dgt-shared": ("dgt", {"DGT_SHARED_RANKING": "1"}),
+    "dgt-bf16": ("dgt", {"DGT_WIRE_DTYPE": "bfloat16"}),
+    "dgt-bf16-shared": ("dgt", {"DGT_WIRE_DTYPE": "bfloat16", "DGT_SHARED_RANKING": "1"}),
 }
 COLUMNS = ("variant", "model", "seed", "steps", "update_on_kvstore", "udp_drop", "accuracy",
            "final_loss", "udp_loss_rate", "wall_s")

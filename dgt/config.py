@@ -18,9 +18,10 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 from .errors import ConfigError
 
-__all__ = ["Config", "KNOBS", "Knob", "RECEIVE_MODES", "markdown_table"]
+__all__ = ["Config", "KNOBS", "Knob", "RECEIVE_MODES", "WIRE_DTYPES", "markdown_table"]
 
 RECEIVE_MODES = ("drop", "diff", "rescale")
+WIRE_DTYPES = ("native", "bfloat16")
 ROLES = ("worker", "server")
 
 
@@ -79,6 +80,13 @@ KNOBS: Tuple[Knob, ...] = (
          "contribution.", "worker"),
     Knob("send_drop", "DGT_SEND_DROP", bool, False, "0 or 1", None,
          "Ablation (Sender Dropping): UDP-class blocks are never sent.", "worker"),
+    Knob("wire_dtype", "DGT_WIRE_DTYPE", str, "native", "|".join(WIRE_DTYPES),
+         lambda v: v in WIRE_DTYPES,
+         "native: gradients travel in their own dtype. bfloat16: float32 gradients travel as "
+         "bfloat16 (float32's range, 8 significant bits, rounded to nearest) on every channel "
+         "and in the summed replies, half the bytes; the servers sum in float32, and weights "
+         "from a server-side optimizer come back in float32. Every worker must use the same.",
+         "worker"),
     # --- receive side ----------------------------------------------------------------------
     Knob("receive_mode", "DGT_RECEIVE_MODE", str, "drop", "|".join(RECEIVE_MODES),
          lambda v: v in RECEIVE_MODES,
@@ -206,6 +214,7 @@ class Config:
     shared_ranking: bool = False
     random_order: bool = False
     send_drop: bool = False
+    wire_dtype: str = "native"
     receive_mode: str = "drop"
     error_feedback: bool = False
     grace_ms: float = 10.0

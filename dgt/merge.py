@@ -39,7 +39,7 @@ import numpy as np
 
 from .errors import RemoteProtocolError
 from .partition import BlockLayout, FragmentLayout
-from .wire import Header, chunk_elems, code_dtype
+from .wire import Header, chunk_elems, code_dtype, is_float_dtype
 
 __all__ = ["StepMerger", "ClosedStep", "PartSpec", "Outcome"]
 
@@ -71,7 +71,7 @@ class PartSpec:
 
 
 def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
-    if dtype.kind == "f":
+    if is_float_dtype(dtype):
         return np.dtype(np.float64) if dtype.itemsize > 4 else np.dtype(np.float32)
     return np.dtype(np.int64) if dtype.kind == "i" else np.dtype(np.uint64)
 
@@ -82,6 +82,10 @@ class ClosedStep:
     part: int
     step: int
     merged: np.ndarray  # wire dtype, n_elems
+    # The same sum before its cast to the wire dtype (float32 for 16-bit floats; the same
+    # array when no cast is needed): what a server-side optimizer should apply.  Like
+    # ``merged``, valid until the step after next of this part closes.
+    total: np.ndarray
     missing: Optional[np.ndarray]  # (num_workers, n_slots) bool: UDP slots not merged
     udp_expected: np.ndarray  # per worker
     udp_merged: np.ndarray  # per worker
@@ -418,7 +422,8 @@ class StepMerger:
         if self.error_feedback:
             missing = valid & ~delivered
         wire_dtype = code_dtype(state.spec.dtype_code)
-        merged = open_step.acc[:layout.blocks.n_elems].astype(wire_dtype, copy=False)
+        total = open_step.acc[:layout.blocks.n_elems]
+        merged = total.astype(wire_dtype, copy=False)
         late = open_step.late_in + state.late_dropped
         state.late_dropped = np.zeros(self.num_workers, dtype=np.int64)
         del state.steps[open_step.step]
@@ -428,7 +433,7 @@ class StepMerger:
         # A next step opened early by late (diff) or early datagrams may already be complete.
         if open_step.step + 1 in state.steps:
             self._candidates.add((key, part, open_step.step + 1))
-        return ClosedStep(key, part, open_step.step, merged, missing,
+        return ClosedStep(key, part, open_step.step, merged, total, missing,
                           open_step.udp_expected.copy(), open_step.received.sum(axis=1),
                           late, max(0.0, now - open_step.last_push_time), touched,
                           layout.blocks.block_elems, open_step.first_push_time or now,

@@ -530,14 +530,18 @@ class Server:
         bucket = self._buckets.get(closed.key)
         if self._optimizer is not None:
             payload = self._values[key]
+            # The sum before any cast to a 16-bit wire dtype, in the weights' own dtype.
+            grads = closed.total if closed.total.dtype == payload.dtype else closed.merged
+            if grads.dtype != payload.dtype:
+                grads = grads.astype(payload.dtype)
             if bucket is None:
                 self._optimizer.update([closed.key], closed.part, [self._weights[key]],
-                                       [closed.merged])
+                                       [grads])
             else:  # each member under its own key: its own states and lr/wd multipliers
                 spans = list(bucket.spans())
                 self._optimizer.update(
                     bucket.keys, 0, [self._weights[(member, 0)] for member in bucket.keys],
-                    [closed.merged[lo:hi] for _, lo, hi in spans])
+                    [grads[lo:hi] for _, lo, hi in spans])
                 for member, lo, hi in spans:
                     payload[lo:hi] = self._values[(member, 0)]
             flags |= FLAG_WEIGHTS

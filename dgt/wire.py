@@ -52,6 +52,7 @@ import enum
 import struct
 from typing import List, NamedTuple, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from .errors import RemoteProtocolError
@@ -63,7 +64,8 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
            "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "FLAG_SCORES", "NO_RANK",
            "PRIORITY_CONTROL", "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
-           "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs", "decode_scores"]
+           "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs", "decode_scores",
+           "BFLOAT16", "is_float_dtype"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
 # buffers of this size are recycled by the allocator, while 64 MB ones are fresh mmaps that
@@ -144,12 +146,18 @@ HEADER_DTYPE = np.dtype([
     ("udp_late", "<u4"), ("grace_us", "<u4"), ("priority", "<i4")])
 assert HEADER_DTYPE.itemsize == HEADER_BYTES
 
+# bfloat16 (ml_dtypes' numpy dtype) is float32 with its low 16 bits rounded off: the same
+# range, so a gradient that fits float32 fits it, and numpy converts it about ten times faster
+# than float16 (measured: 1.1 ms against 12.7 ms per million elements).
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
 # dtype codes on the wire; only the float codes may travel over UDP.
 _DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float16), 3: np.dtype(np.float64),
            4: np.dtype(np.int32), 5: np.dtype(np.int64), 6: np.dtype(np.uint8),
-           7: np.dtype(np.int8), 8: np.dtype(np.int16), 9: np.dtype(np.uint16)}
+           7: np.dtype(np.int8), 8: np.dtype(np.int16), 9: np.dtype(np.uint16), 10: BFLOAT16}
 _CODES = {v: k for k, v in _DTYPES.items()}
-FLOAT_CODES = (1, 2)
+FLOAT_CODES = (1, 2, 10)
+_TWO_BYTE_FLOAT_CODES = (2, 10)
 _MAX_ELEMS = 2 ** 32 - 1
 
 
@@ -171,6 +179,12 @@ def code_dtype(code: int) -> np.dtype:
         return _DTYPES[code]
     except KeyError:
         raise RemoteProtocolError(f"unknown dtype code {code}") from None
+
+
+def is_float_dtype(dtype) -> bool:
+    """numpy's floats and bfloat16 (whose numpy kind is "V", not "f")."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype == BFLOAT16
 
 
 def encode_header(header: Header) -> bytes:
@@ -240,8 +254,15 @@ def chunk_elems(itemsize: int) -> int:
     return max(1, CHUNK_BYTES // itemsize)
 
 
+def _framable(array: np.ndarray) -> np.ndarray:
+    """``array`` as something ZeroMQ can send: bfloat16 arrays do not export the buffer
+    protocol, their uint16 view (the same bytes) does."""
+    return array.view(np.uint16) if array.dtype == BFLOAT16 else array
+
+
 def split_dense(array: np.ndarray) -> list:
     """Views of ``array`` (flat) of at most :data:`CHUNK_BYTES` each, for multipart frames."""
+    array = _framable(array)
     step = chunk_elems(array.dtype.itemsize)
     if array.size <= step:
         return [array]
@@ -251,6 +272,7 @@ def split_dense(array: np.ndarray) -> list:
 def split_blocks(layout: BlockLayout, blocks: np.ndarray, payload: np.ndarray) -> list:
     """``payload`` (the values of ascending ``blocks``, see :meth:`BlockLayout.gather`) cut
     into frames of whole blocks, each at most about :data:`CHUNK_BYTES`."""
+    payload = _framable(payload)
     groups = layout.chunk_blocks(blocks, chunk_elems(payload.dtype.itemsize))
     frames, offset = [], 0
     for group in groups:
@@ -350,7 +372,7 @@ def check_datagrams(headers: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     block_len = np.minimum(b, n - block * b)
     ok &= frag < -(-np.maximum(block_len, 1) // fe)
     frag_len = np.minimum(fe, block_len - frag * fe)
-    itemsize = np.where(headers["dtype"] == 2, 2, 4)
+    itemsize = np.where(np.isin(headers["dtype"], _TWO_BYTE_FLOAT_CODES), 2, 4)
     ok &= sizes == HEADER_BYTES + frag_len * itemsize
     return ok
 

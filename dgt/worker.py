@@ -37,8 +37,9 @@ from .transport.links import ServerLinks
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLOAT_CODES,
                    HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
-                   clamp_priority, code_dtype, data_headers, decode_blocks, decode_header,
-                   decode_scores, dtype_code, encode_header, split_blocks, split_dense)
+                   BFLOAT16, clamp_priority, code_dtype, data_headers, decode_blocks,
+                   decode_header, decode_scores, dtype_code, encode_header, split_blocks,
+                   split_dense)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -161,6 +162,7 @@ class _Scratch:
     compensated: np.ndarray
     absolute: np.ndarray
     gathered: np.ndarray
+    wire: Optional[np.ndarray] = None  # the part in the wire dtype, when that differs
 
 
 @dataclass
@@ -430,8 +432,9 @@ class Worker:
     def _push_part(self, key: int, part: Part, step: int, values: np.ndarray,
                    pending: Pending, stats: Optional[StepStats], k: float, priority: int) -> None:
         cfg = self.config
-        code = dtype_code(values.dtype)
-        frag_elems = fragment_elems(cfg.block_elems, values.dtype.itemsize,
+        wire_dtype = self._wire_dtype(values.dtype)
+        code = dtype_code(wire_dtype)
+        frag_elems = fragment_elems(cfg.block_elems, wire_dtype.itemsize,
                                     cfg.udp_payload_bytes)
         blocks = BlockLayout(part.n_elems, cfg.block_elems)
         layout = FragmentLayout(blocks, frag_elems)
@@ -441,14 +444,15 @@ class Worker:
         base = Header(MsgType.PUSH, job=cfg.job_id, rank=self.rank, dtype=code, key=key,
                       part=part.index, step=step, n_elems=part.n_elems,
                       block_elems=cfg.block_elems, frag_elems=frag_elems, priority=priority)
-        scratch = self._scratch(ident, values)
+        scratch = self._scratch(ident, values, wire_dtype)
         if not differential:
             self._register(("push", key, part.index, step), inflight)
             header = base._replace(flags=FLAG_ALL_RELIABLE, block=blocks.n_blocks)
             everything = np.arange(blocks.n_blocks)
+            payload = self._to_wire(values, scratch)
             self._send(part.server, [encode_header(header),
-                                     *split_blocks(blocks, everything, values)], priority)
-            self._count(stats, 0, blocks.n_blocks, values.nbytes)
+                                     *split_blocks(blocks, everything, payload)], priority)
+            self._count(stats, 0, blocks.n_blocks, payload.nbytes)
             return
         if cfg.error_feedback:
             values = self._memory.compensate(ident, values, out=scratch.compensated)
@@ -473,7 +477,9 @@ class Worker:
         if cfg.shared_ranking:
             header = header._replace(flags=FLAG_SCORES)
             score_frames = [np.asarray(scores, dtype=np.float32)]  # a new array every step
-        payload = blocks.gather(values, reliable, out=scratch.gathered)
+        # Scores and error feedback above use the exact values; only what travels is cast.
+        wire_values = self._to_wire(values, scratch)
+        payload = blocks.gather(wire_values, reliable, out=scratch.gathered)
         self._register(("push", key, part.index, step), inflight)
         self._send(part.server, [encode_header(header), reliable, *score_frames,
                                  *split_blocks(blocks, reliable, payload)], priority)
@@ -481,22 +487,38 @@ class Worker:
         for channel in range(1, cfg.udp_channels + 1):
             chosen = channels[udp_blocks] == channel
             self._count(stats, channel, int(np.count_nonzero(chosen)),
-                        int(blocks.block_lengths[udp_blocks[chosen]].sum()) * values.dtype.itemsize)
+                        int(blocks.block_lengths[udp_blocks[chosen]].sum()) * wire_dtype.itemsize)
         if len(slots):
-            self._send_datagrams(base, layout, values, channels, slots, stats, part.server)
+            self._send_datagrams(base, layout, wire_values, channels, slots, stats, part.server)
             self._send(part.server, [encode_header(base._replace(type=MsgType.PUSH_END))],
                        priority)
 
-    def _scratch(self, ident, values: np.ndarray) -> "_Scratch":
+    def _wire_dtype(self, dtype: np.dtype) -> np.dtype:
+        """The dtype ``dtype`` gradients travel in (``DGT_WIRE_DTYPE``)."""
+        if self.config.wire_dtype == "bfloat16" and dtype == np.float32:
+            return BFLOAT16
+        return np.dtype(dtype)
+
+    @staticmethod
+    def _to_wire(values: np.ndarray, scratch: "_Scratch") -> np.ndarray:
+        """``values`` in the wire dtype (the same array when no cast is needed)."""
+        if scratch.wire is None:
+            return values
+        np.copyto(scratch.wire, values, casting="unsafe")  # bfloat16: round to nearest even
+        return scratch.wire
+
+    def _scratch(self, ident, values: np.ndarray, wire_dtype: np.dtype) -> "_Scratch":
         """Per-part buffers reused every step: fresh arrays of this size would page-fault on
         every touch (tens of ms for a 64 MB tensor).  A buffer is reused only when the next
         step of the same part is pushed, after the previous reply, so nothing in flight reads
         it any more."""
         scratch = self._scratches.get(ident)
         if scratch is None or scratch.compensated.shape != values.shape \
-                or scratch.compensated.dtype != values.dtype:
+                or scratch.compensated.dtype != values.dtype \
+                or scratch.gathered.dtype != wire_dtype:
+            wire = None if wire_dtype == values.dtype else np.empty(values.shape, wire_dtype)
             scratch = _Scratch(np.empty_like(values), np.empty(values.shape, np.float32),
-                               np.empty_like(values))
+                               np.empty(values.shape, wire_dtype), wire)
             self._scratches[ident] = scratch
         return scratch
 
@@ -541,7 +563,7 @@ class Worker:
                 errors += bad
         if not uniform.all():
             header_view = memoryview(headers.tobytes())
-            data_view = memoryview(values).cast("B")
+            data_view = memoryview(values.view(np.uint8))  # bfloat16 has no buffer format
             for i in np.flatnonzero(~uniform).tolist():
                 if self._udp.send(int(chans[i]), addr,
                                   header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
@@ -761,13 +783,16 @@ class Worker:
                                        (time.time() - stats.started_s) * 1000.0)
         entry.pending._part_done()
 
-    @staticmethod
-    def _fill(entry: _Inflight, header: Header, frames) -> None:
+    def _reply_dtype_ok(self, dtype: np.dtype, result: Optional[np.ndarray]) -> bool:
+        """A reply comes in the result's dtype or, for a sum, in the wire dtype."""
+        return result is not None and dtype in (result.dtype, self._wire_dtype(result.dtype))
+
+    def _fill(self, entry: _Inflight, header: Header, frames) -> None:
         """Copy the payload frames of a reply into the pending result, checking sizes."""
         pending, part = entry.pending, entry.part
         dtype = code_dtype(header.dtype)
         result = pending.result
-        if result is None or dtype != result.dtype:
+        if not self._reply_dtype_ok(dtype, result):
             pending._fail(RemoteProtocolError(f"{pending.what}: reply of dtype {dtype}"))
             return
         offset = part.start
@@ -781,14 +806,13 @@ class Worker:
             pending._fail(RemoteProtocolError(
                 f"{pending.what}: reply does not hold the {part.n_elems} elements expected"))
 
-    @staticmethod
-    def _fill_sparse(entry: _Inflight, header: Header, index_frame, frames) -> None:
+    def _fill_sparse(self, entry: _Inflight, header: Header, index_frame, frames) -> None:
         """A reply that holds only the blocks some worker's data reached (the server's
         ``wire.sum_reply_frames``): they go in place, every other block of the part becomes zero."""
         pending, part = entry.pending, entry.part
         dtype = code_dtype(header.dtype)
         layout = entry.layout.blocks
-        if pending.result is None or dtype != pending.result.dtype \
+        if not self._reply_dtype_ok(dtype, pending.result) \
                 or header.block_elems != layout.block_elems or header.n_elems != part.n_elems:
             pending._fail(RemoteProtocolError(f"{pending.what}: sparse reply does not match the "
                                               f"push: {header.debug_str()}"))

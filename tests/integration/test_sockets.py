@@ -419,3 +419,55 @@ def test_a_push_with_a_malformed_scores_frame_is_refused(make_job, monkeypatch):
     # The push, then its end-of-datagrams marker (a marker without its push).
     assert servers[0].server.counters["tcp_refused"] == 2
     assert servers[0].server.counters["steps_closed"] == 0
+
+
+@pytest.mark.parametrize("wire_dtype, k, drop", [("bfloat16", 0.3, 0.2), ("bfloat16", 0.1, 0.9),
+                                                 ("native", 0.3, 0.2)],
+                         ids=["bfloat16", "bfloat16-sparse-reply", "native"])
+def test_bfloat16_wire_sums_the_rounded_survivors_in_float32_on_half_the_bytes(make_job,
+                                                                               wire_dtype, k,
+                                                                               drop):
+    # Two workers, so the server's float32 sum a + b does not depend on arrival order.  The
+    # oracle rounds each worker's values to bfloat16, sums the surviving blocks in float32 and
+    # rounds the sum once more for the reply; with DGT_WIRE_DTYPE=native it must not match.
+    # Under 90 % loss the reply leaves out the blocks nobody delivered (a sparse reply).
+    from dgt.wire import BFLOAT16
+
+    n, key = 30_000, 5
+    config, servers = make_job(2, threshold=k, threshold_min=0.1, adaptive=False,
+                               grace_ms=1000, udp_drop=drop, seed=7, wire_dtype=wire_dtype)
+    data = {r: np.random.default_rng([r, 9]).normal(0, 1e-3, n).astype(np.float32)
+            for r in range(2)}
+
+    def body(worker):
+        result = worker.pushpull(key, data[worker.rank]).wait().copy()
+        pulled = worker.pull(key, data[worker.rank]).wait().copy()
+        return result, pulled, list(worker._stats.bytes_per_channel)  # this step's
+
+    results = run_workers(config, body, 2)
+    expected = np.zeros(n, np.float32)
+    for rank, values in data.items():
+        wire = values.astype(BFLOAT16)
+        layout = FragmentLayout(BlockLayout(n, config.block_elems),
+                                fragment_elems(config.block_elems, 2, config.udp_payload_bytes))
+        channels = assign_channels(block_mean_abs(layout.blocks, values), k,
+                                   config.udp_channels)
+        udp = layout.slots_of_blocks(np.flatnonzero(channels))
+        lost = np.zeros(layout.n_slots, dtype=bool)
+        lost[udp] = dropped_slots(config.udp_drop, config.seed, rank, key, 0, 0, udp)
+        slots = layout.valid_slots & (np.repeat(channels == 0, layout.frags_per_block) | ~lost)
+        mask = layout.element_mask(slots)
+        expected[mask] += wire.astype(np.float32)[mask]
+        # Every pushed byte is 2 per element: reliable and UDP blocks alike.
+        assert sum(results[rank][2]) == (2 if wire_dtype == "bfloat16" else 4) * n
+    expected = expected.astype(BFLOAT16).astype(np.float32)
+    for rank in range(2):
+        result, pulled = results[rank][0], results[rank][1]
+        assert result.dtype == np.float32 and pulled.dtype == np.float32
+        np.testing.assert_array_equal(pulled, result)  # the stored sum, as float32
+        if wire_dtype == "bfloat16":
+            np.testing.assert_array_equal(result, expected)
+        else:
+            assert not np.array_equal(result, expected)
+    assert servers[0].server.merger.counters.get("merged", 0) > 0
+    assert servers[0].server.counters["replies_sparse"] == (1 if drop > 0.5 else 0)

@@ -183,6 +183,25 @@ def test_float16_parts_accumulate_in_float32():
     assert closed.merged.dtype == np.float16 and closed.merged[0] == 2050
 
 
+def test_bfloat16_parts_sum_in_float32_and_keep_the_exact_total():
+    from dgt.wire import BFLOAT16
+
+    merger = StepMerger(3)
+    # Summed in bfloat16 (8 significant bits), 256 + 1 rounds back to 256 and the total is
+    # 256; summed in float32 it is 258, which bfloat16 holds exactly.
+    values = [np.float32(256), np.float32(1), np.float32(1)]
+    for r, value in enumerate(values):
+        header = Header(MsgType.PUSH, rank=r, dtype=10, key=1, step=0, n_elems=N,
+                        block_elems=B, frag_elems=700, block=1)
+        payload = np.full(B, value, np.float32).astype(BFLOAT16)
+        merger.add_push(header, np.array([1]), [payload], 0.0)
+    closed, = merger.poll(0.0)
+    assert closed.total.dtype == np.float32 and closed.merged.dtype == BFLOAT16
+    np.testing.assert_array_equal(closed.total[B:2 * B], 258)
+    assert (closed.total[:B] == 0).all() and (closed.total[2 * B:] == 0).all()
+    np.testing.assert_array_equal(closed.merged.astype(np.float32)[B:2 * B], 258)
+
+
 @pytest.mark.parametrize("mode", ["drop", "diff"])
 def test_batched_fragments_match_one_by_one(mode, rng):
     """add_fragments (what the server uses) == add_fragment per datagram, late ones included."""

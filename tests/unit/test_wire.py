@@ -90,7 +90,8 @@ def test_vectorised_checks_agree_with_the_decoder(rng):
     from dgt.wire import HEADER_DTYPE, check_datagrams
 
     valid = datagram(data_header())
-    samples = [valid, datagram(data_header(block=0, frag=0)), datagram(data_header(dtype=2))]
+    samples = [valid, datagram(data_header(block=0, frag=0)), datagram(data_header(dtype=2)),
+               datagram(data_header(dtype=10))]
     for _ in range(3000):
         buf = bytearray(valid)
         for pos in rng.integers(0, HEADER_BYTES, size=rng.integers(1, 4)):
@@ -109,7 +110,7 @@ def test_vectorised_checks_agree_with_the_decoder(rng):
         except RemoteProtocolError:
             expected = False
         assert ok == expected, b[:HEADER_BYTES].hex()
-    assert batch[:3].all() and not batch.all()
+    assert batch[:4].all() and not batch.all()
 
 
 def test_header_runs_cut_at_every_change_of_push_and_cover_each_row_once():
@@ -189,3 +190,20 @@ def test_scores_frame_round_trips_and_a_wrong_length_is_refused():
     assert decoded[0] == 0.5
     with pytest.raises(RemoteProtocolError, match="scores frame of 12 bytes, the part has 4"):
         decode_scores(frame, 4)
+
+
+def test_bfloat16_travels_in_two_bytes_and_rounds_to_nearest():
+    from dgt.wire import BFLOAT16, code_dtype, dtype_code, is_float_dtype
+
+    assert code_dtype(dtype_code(BFLOAT16)) == BFLOAT16 and is_float_dtype(BFLOAT16)
+    header = data_header(dtype=dtype_code(BFLOAT16))
+    _, payload = decode_datagram(datagram(header))
+    assert len(payload) == (452 - 350) * 2
+    # float32's range, 8 significant bits: 1 + 2**-8 is a tie and rounds to even (1.0),
+    # 1 + 3 * 2**-8 rounds up to 1 + 2**-6; 1e38 stays finite, as float16 would not.
+    values = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1e38, -3.0], np.float32)
+    wire = values.astype(BFLOAT16)
+    assert wire.nbytes == 8
+    back = wire.astype(np.float32)
+    assert back[0] == 1.0 and back[1] == 1 + 2.0 ** -6 and back[3] == -3.0
+    assert np.isfinite(back[2]) and abs(back[2] / 1e38 - 1) < 2 ** -8
