@@ -27,8 +27,8 @@ from dgt.merge import StepMerger  # noqa: E402
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
 from dgt.policy import assign_channels  # noqa: E402
 from dgt.scoring import ContributionState, score_blocks  # noqa: E402
-from dgt.wire import (HEADER_BYTES, Header, MsgType, chunk_elems, data_headers,  # noqa: E402
-                      sum_reply_frames)
+from dgt.wire import (BFLOAT16, HEADER_BYTES, Header, MsgType, chunk_elems,  # noqa: E402
+                      data_headers, dtype_code, sum_reply_frames)
 
 
 def model_shapes(name: str):
@@ -46,18 +46,22 @@ def model_shapes(name: str):
 
 def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0.0, rng=None):
     worker_s = server_s = 0.0
+    # DGT_WIRE_DTYPE=bfloat16: what travels is cast once per part (timed with the worker).
+    wire = BFLOAT16 if config.wire_dtype == "bfloat16" else np.dtype(np.float32)
+    code, size = dtype_code(wire), wire.itemsize
     for key, grad in enumerate(grads):
         for part in plan_parts(grad.size, key, 1, config.bigarray_elems, config.part_elems):
             values = grad[part.start:part.stop]
             blocks = BlockLayout(part.n_elems, config.block_elems)
-            fe = fragment_elems(config.block_elems, 4, config.udp_payload_bytes)
+            fe = fragment_elems(config.block_elems, size, config.udp_payload_bytes)
             layout = FragmentLayout(blocks, fe)
             pushes = []
             began = time.perf_counter()
             for rank in range(rank_count):
                 memory, scores, scratch = states[rank]
                 buffers = scratch.setdefault((key, part.index), (
-                    np.empty(part.n_elems, np.float32), np.empty(part.n_elems, np.float32)))
+                    np.empty(part.n_elems, np.float32), np.empty(part.n_elems, wire),
+                    np.empty(part.n_elems, wire)))
                 compensated = (memory.compensate((key, part.index), values)
                                if config.error_feedback else values)
                 if blocks.n_blocks > 1:
@@ -67,30 +71,34 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 else:
                     channels = np.zeros(1, dtype=np.uint8)
                 reliable = np.flatnonzero(channels == 0)
-                payload = blocks.gather(compensated, reliable, out=buffers[1])
+                sent = compensated
+                if wire != compensated.dtype:
+                    sent = buffers[2]
+                    np.copyto(sent, compensated, casting="unsafe")
+                payload = blocks.gather(sent, reliable, out=buffers[1])
                 udp = np.flatnonzero(channels)
                 slots = layout.slots_of_blocks(udp)
                 block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
-                base = Header(MsgType.DATA, rank=rank, dtype=1, key=key, part=part.index,
+                base = Header(MsgType.DATA, rank=rank, dtype=code, key=key, part=part.index,
                               step=step, n_elems=part.n_elems, block_elems=config.block_elems,
                               frag_elems=fe)
                 headers = data_headers(base, channels[block_ids], block_ids, frag_ids)
                 starts, stops = layout.slot_ranges(slots)
-                rows = np.zeros((len(slots), fe), np.float32)
+                rows = np.zeros((len(slots), fe), wire)
                 whole = (stops - starts) == fe
-                n_rows = compensated.size // fe
-                rows[whole] = compensated[:n_rows * fe].reshape(n_rows, fe)[starts[whole] // fe]
-                staging = np.empty((len(slots), HEADER_BYTES + fe * 4), np.uint8)
+                n_rows = sent.size // fe
+                rows[whole] = sent[:n_rows * fe].reshape(n_rows, fe)[starts[whole] // fe]
+                staging = np.empty((len(slots), HEADER_BYTES + fe * size), np.uint8)
                 staging[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(len(slots), HEADER_BYTES)
                 staging[:, HEADER_BYTES:] = rows.view(np.uint8)
                 pushes.append((reliable, payload, block_ids, frag_ids, rows, stops - starts))
             worker_s += (time.perf_counter() - began) / rank_count
             began = time.perf_counter()
             for rank, (reliable, payload, block_ids, frag_ids, rows, lengths) in enumerate(pushes):
-                header = Header(MsgType.PUSH, rank=rank, dtype=1, key=key, part=part.index,
+                header = Header(MsgType.PUSH, rank=rank, dtype=code, key=key, part=part.index,
                                 step=step, n_elems=part.n_elems, block_elems=config.block_elems,
                                 frag_elems=fe, block=len(reliable), udp_expected=len(block_ids))
-                groups = blocks.chunk_blocks(reliable, chunk_elems(4))
+                groups = blocks.chunk_blocks(reliable, chunk_elems(size))
                 chunks, offset = [], 0
                 for group in groups:
                     size = blocks.payload_elems(group)
@@ -153,7 +161,7 @@ def main() -> int:
     params = sum(g.size for g in grads)
     print(f"{args.model}: {params / 1e6:.1f} M parameters, k={config.threshold}, "
           f"{args.workers} workers, error feedback {'on' if config.error_feedback else 'off'}, "
-          f"UDP loss {args.udp_loss:.0%} "
+          f"UDP loss {args.udp_loss:.0%}, wire dtype {config.wire_dtype} "
           "(the defaults; DGT_* variables change them)")
     print(f"worker CPU per step (score, classify, frame): {worker_ms:7.1f} ms")
     print(f"server CPU per step (merge {args.workers} workers, close, frame the reply): "

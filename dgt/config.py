@@ -351,5 +351,7 @@ def markdown_table() -> str:
     for k in KNOBS:
         default = int(k.default) if k.kind is bool else k.default
         default = f"`{default}`" if default != "" else "(empty)"
-        lines.append(f"| `{k.env}` | {default} | {k.allowed} | {k.roles} | {k.doc} |")
+        # A bare "|" would end the cell (drop|diff|rescale came out as three columns).
+        allowed, doc = (text.replace("|", "\\|") for text in (k.allowed, k.doc))
+        lines.append(f"| `{k.env}` | {default} | {allowed} | {k.roles} | {doc} |")
     return "\n".join(lines)

@@ -43,6 +43,11 @@ ERROR          utf-8 text                             the server refused a reque
 payloads (PUSH) are cut at whole blocks (``BlockLayout.chunk_blocks``), so every frame can be
 merged on its own without reassembly.
 
+Payload values are in the header's ``dtype`` (see :func:`dtype_code`).  With
+``DGT_WIRE_DTYPE=bfloat16`` a float32 gradient travels as bfloat16 (code 10): pushes,
+datagrams and summed replies; the reply to a push may thus be in another dtype than the
+gradient, and the worker converts it back.
+
 Unreliable (UDP) datagrams: ``Header(type=DATA) + payload`` where the payload is fragment
 ``frag`` of block ``block`` of (key, part, step), ``frag_elems`` elements at most.
 """

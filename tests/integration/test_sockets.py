@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from dgt.errors import StepTimeout
+from dgt.errors import RemoteProtocolError, StepTimeout
 from dgt.lossmodel import dropped_slots
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems
 from dgt.policy import assign_channels
@@ -283,7 +283,6 @@ def test_a_bucket_sums_as_one_key_and_its_members_stay_pullable(make_job):
 
 
 def test_workers_that_disagree_on_a_bucket_are_refused(make_job):
-    from dgt.errors import RemoteProtocolError
     from dgt.fusion import FUSED_KEY_BASE
 
     config, _ = make_job(2)
@@ -400,7 +399,6 @@ def test_shared_ranking_makes_every_worker_send_the_same_blocks(make_job):
 
 
 def test_a_push_with_a_malformed_scores_frame_is_refused(make_job, monkeypatch):
-    from dgt.errors import RemoteProtocolError
     from dgt.wire import FLAG_SCORES, decode_header
 
     config, servers = make_job(1, threshold=0.5, shared_ranking=True)
@@ -471,3 +469,19 @@ def test_bfloat16_wire_sums_the_rounded_survivors_in_float32_on_half_the_bytes(m
             assert not np.array_equal(result, expected)
     assert servers[0].server.merger.counters.get("merged", 0) > 0
     assert servers[0].server.counters["replies_sparse"] == (1 if drop > 0.5 else 0)
+
+
+def test_workers_with_different_wire_dtypes_are_refused(make_job):
+    # The server keeps one layout per part; a second worker pushing the same part in another
+    # dtype is refused with a message that names both, and nothing is merged.
+    config, servers = make_job(2, threshold=0.5, timeout_s=3.0)
+    values = np.ones(5000, np.float32)
+    with Worker(config.replace(rank=0)) as first, \
+            Worker(config.replace(rank=1, wire_dtype="bfloat16")) as second:
+        waiting = first.pushpull(0, values)
+        time.sleep(0.2)  # the native push opens the step first
+        with pytest.raises(RemoteProtocolError, match="dtype_code=10.*differs.*dtype_code=1"):
+            second.pushpull(0, values).wait()
+        with pytest.raises(StepTimeout):
+            waiting.wait()
+    assert servers[0].server.counters["steps_closed"] == 0
