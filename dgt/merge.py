@@ -314,9 +314,11 @@ class StepMerger:
         if not 0 <= rank < self.num_workers:
             tally(Outcome.STALE, count)
             return
-        state = self._part(header, create=header.step == 0)
+        # A datagram may open a part's first step (it can overtake its PUSH), but never
+        # raises: one whose layout differs from the part's is counted and dropped.
+        known = (header.key, header.part) in self._parts
+        state = self._part(header, create=header.step == 0 and not known)
         if state is None:
-            known = (header.key, header.part) in self._parts
             tally(Outcome.MISMATCH if known else Outcome.STALE, count)
             return
         layout = state.layout

@@ -133,6 +133,18 @@ def test_duplicates_stale_and_foreign_steps_are_dropped():
     end(merger, h)
 
 
+def test_a_first_step_datagram_in_another_layout_is_counted_not_raised():
+    # A datagram may open a part's step 0, so the layout check there used to raise out of
+    # the server's receive loop; it is a mismatch like any other malformed datagram.
+    merger = StepMerger(2, grace_s=10.0)
+    push(merger, 0, 0, data(0), [0], udp=6)
+    header = Header(MsgType.DATA, rank=1, channel=1, dtype=10, key=1, step=0, n_elems=N,
+                    block_elems=B, frag_elems=2 * FE, block=1, frag=0)
+    assert merger.add_fragment(header, np.zeros(2 * FE, np.uint16).tobytes(), 0.0) \
+        == Outcome.MISMATCH
+    assert merger.counters[Outcome.MISMATCH] == 1
+
+
 def test_datagram_may_arrive_before_its_push():
     merger = StepMerger(1, grace_s=10.0)
     assert frag(merger, 0, 0, data(0), 1, 0) == Outcome.MERGED
