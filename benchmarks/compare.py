@@ -16,6 +16,8 @@ data (Fashion-MNIST, IID, the same seeds) and the same step budget, one system a
 * ``horovod``       -- Horovod's ring allreduce over Gloo, when ``horovod.mxnet`` imports
   (``make horovod`` builds it; else reported as not installed).  It has no server, so its
   bytes are those of worker 0's link;
+* ``horovod_fp16``  -- the same with Horovod's ``Compression.fp16`` (gradients as float16),
+  the peer of dgt's ``DGT_WIRE_DTYPE=bfloat16``;
 * ``dgt-NAME``      -- dgt with extra settings, defined by ``--variant NAME:DGT_X=1,DGT_Y=2``,
   so that several dgt settings meet the same baseline in one run.
 
@@ -48,7 +50,9 @@ sys.path.insert(0, ROOT)
 from benchmarks.testbed import Testbed, available  # noqa: E402
 from dgt.launch import _Child, supervise  # noqa: E402
 
-SYSTEMS = ("dgt", "dgt-reliable", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod")
+SYSTEMS = ("dgt", "dgt-reliable", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod",
+           "horovod_fp16")
+HOROVOD_SYSTEMS = ("horovod", "horovod_fp16")
 COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "step_time_p90_s",
            "throughput_samples_s", "bytes_per_step", "udp_loss_rate", "time_to_target_s",
            "final_accuracy", "compute_s", "lower_bound_s", "status")
@@ -132,7 +136,7 @@ def server_hosts(args) -> List[str]:
 def measured_links(system: str, args) -> List[str]:
     """The links whose bytes bound the step: the servers', or the workers' where they serve
     (or, for allreduce, where there is no server; its links are all alike)."""
-    if system == "horovod":
+    if system in HOROVOD_SYSTEMS:
         return ["worker0"]
     return server_hosts(args)
 
@@ -199,7 +203,7 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
             children.append(_Child("worker", rank, bed.exec_prefix(f"worker{rank}") + train + [
                 "--kvstore", "dgt"], dict(base, **job, DGT_RANK=str(rank)), out=log))
         return children
-    if system == "horovod":
+    if system in HOROVOD_SYSTEMS:
         # horovodrun starts its processes over ssh; here each rank runs in its worker's
         # namespace, so we do what it does: a Gloo rendezvous server (in the server's
         # namespace, which Horovod does not otherwise use) and Horovod's variables per rank.
@@ -217,7 +221,7 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
                        HOROVOD_GLOO_RENDEZVOUS_PORT=str(port), HOROVOD_CONTROLLER="gloo",
                        HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="e0")
             children.append(_Child("worker", rank, bed.exec_prefix(node) + train + [
-                "--kvstore", "horovod"], env, out=log))
+                "--kvstore", system], env, out=log))
         return children
     kvstore = system
     job = {"DMLC_PS_ROOT_URI": server_ip, "DMLC_PS_ROOT_PORT": str(port),
@@ -243,7 +247,7 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
 
 def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float]) -> Row:
     row = Row(system, model, args.workers, args.rate)
-    if system == "horovod":
+    if system in HOROVOD_SYSTEMS:
         probe = subprocess.run([sys.executable, "-c", "import horovod.mxnet"],
                                capture_output=True)
         if probe.returncode != 0:

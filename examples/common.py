@@ -22,7 +22,8 @@ from mxnet import autograd, gluon
 from data import DatasetMissing, load, partition
 from models import INIT, INPUT_SIZE, get_model
 
-KVSTORES = ("dgt", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod", "local")
+KVSTORES = ("dgt", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod", "horovod_fp16",
+            "local")
 
 
 def int_at_least(minimum: int):
@@ -107,7 +108,8 @@ class Curve:
 class HorovodJob:
     """What the training loop needs of a kvstore, for Horovod (which has none in MXNet 1.9)."""
 
-    def __init__(self):
+    def __init__(self, fp16: bool = False):
+        self.fp16 = fp16  # Horovod's Compression.fp16: gradients travel as float16
         try:
             import horovod.mxnet as hvd
         except ImportError as exc:
@@ -122,15 +124,16 @@ class HorovodJob:
         scaled = dict(optimizer_params,
                       learning_rate=optimizer_params["learning_rate"] * self.num_workers)
         self.hvd.broadcast_parameters(params, root_rank=0)
-        return self.hvd.DistributedTrainer(params, "sgd", scaled)
+        compression = self.hvd.Compression.fp16 if self.fp16 else self.hvd.Compression.none
+        return self.hvd.DistributedTrainer(params, "sgd", scaled, compression=compression)
 
 
 def create_kvstore(name: str):
     """(kvstore or None, Trainer compression params)."""
     if name == "local":
         return None, None
-    if name == "horovod":
-        return HorovodJob(), None
+    if name.startswith("horovod"):
+        return HorovodJob(fp16=name == "horovod_fp16"), None
     if name == "dgt":
         return mx.kv.create("dgt"), None
     compression = {"type": "2bit", "threshold": 0.5} if name == "dist_sync_2bit" else None

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     kvstore = kvstore_of(command)
     if kvstore == "local":
         os.execvp(command[0], command)
-    if kvstore == "horovod":
+    if kvstore.startswith("horovod"):
         workers = "2"
         for flag, value in zip(options, options[1:]):
             if flag in ("-n", "--workers"):

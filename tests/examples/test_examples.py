@@ -35,13 +35,14 @@ def test_each_model_trains_a_few_steps(model, kvstore, tmp_path):
     assert records, "rank 0 wrote no summary"
 
 
-def test_horovod_baseline_trains_identical_replicas(tmp_path):
+@pytest.mark.parametrize("kvstore", ["horovod", "horovod_fp16"])
+def test_horovod_baseline_trains_identical_replicas(tmp_path, kvstore):
     pytest.importorskip("mxnet")
     pytest.importorskip("horovod.mxnet", reason="needs Horovod built with MXNet (make horovod)")
     params = tmp_path / "params-{rank}.npy"
-    out = run_example("alexnet", "horovod", "--dataset", "synthetic", "--max-steps", "3",
+    out = run_example("alexnet", kvstore, "--dataset", "synthetic", "--max-steps", "3",
                       "--batch-size", "8", "--eval-samples", "32", "--save-params", str(params))
-    assert "kvstore horovod, 2 workers" in out
+    assert f"kvstore {kvstore}, 2 workers" in out
     np.testing.assert_array_equal(np.load(str(params).format(rank=0)),
                                   np.load(str(params).format(rank=1)))
 
