@@ -48,12 +48,12 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
     worker_s = server_s = 0.0
     # DGT_WIRE_DTYPE=bfloat16: what travels is cast once per part (timed with the worker).
     wire = BFLOAT16 if config.wire_dtype == "bfloat16" else np.dtype(np.float32)
-    code, size = dtype_code(wire), wire.itemsize
+    code, itemsize = dtype_code(wire), wire.itemsize
     for key, grad in enumerate(grads):
         for part in plan_parts(grad.size, key, 1, config.bigarray_elems, config.part_elems):
             values = grad[part.start:part.stop]
             blocks = BlockLayout(part.n_elems, config.block_elems)
-            fe = fragment_elems(config.block_elems, size, config.udp_payload_bytes)
+            fe = fragment_elems(config.block_elems, itemsize, config.udp_payload_bytes)
             layout = FragmentLayout(blocks, fe)
             pushes = []
             began = time.perf_counter()
@@ -88,7 +88,7 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 whole = (stops - starts) == fe
                 n_rows = sent.size // fe
                 rows[whole] = sent[:n_rows * fe].reshape(n_rows, fe)[starts[whole] // fe]
-                staging = np.empty((len(slots), HEADER_BYTES + fe * size), np.uint8)
+                staging = np.empty((len(slots), HEADER_BYTES + fe * itemsize), np.uint8)
                 staging[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(len(slots), HEADER_BYTES)
                 staging[:, HEADER_BYTES:] = rows.view(np.uint8)
                 pushes.append((reliable, payload, block_ids, frag_ids, rows, stops - starts))
@@ -98,7 +98,7 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 header = Header(MsgType.PUSH, rank=rank, dtype=code, key=key, part=part.index,
                                 step=step, n_elems=part.n_elems, block_elems=config.block_elems,
                                 frag_elems=fe, block=len(reliable), udp_expected=len(block_ids))
-                groups = blocks.chunk_blocks(reliable, chunk_elems(size))
+                groups = blocks.chunk_blocks(reliable, chunk_elems(itemsize))
                 chunks, offset = [], 0
                 for group in groups:
                     size = blocks.payload_elems(group)
