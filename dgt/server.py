@@ -531,9 +531,8 @@ class Server:
         if self._optimizer is not None:
             payload = self._values[key]
             # The sum before any cast to a 16-bit wire dtype, in the weights' own dtype.
-            grads = closed.total if closed.total.dtype == payload.dtype else closed.merged
-            if grads.dtype != payload.dtype:
-                grads = grads.astype(payload.dtype)
+            grads = closed.total if closed.total.dtype == payload.dtype \
+                else closed.merged.astype(payload.dtype, copy=False)
             if bucket is None:
                 self._optimizer.update([closed.key], closed.part, [self._weights[key]],
                                        [grads])

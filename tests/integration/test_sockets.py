@@ -35,10 +35,12 @@ def test_pushpull_of_rank_plus_one_sums_to_six_without_loss(make_job, dtype):
             assert (result == 6).all(), f"size {n}"
 
 
-def delivered_slots(config, rank, key, step, values, k):
-    """Which fragment slots of this worker's push reach the merge: the test's own oracle."""
+def delivered_slots(config, rank, key, step, values, k, wire_itemsize=None):
+    """Which fragment slots of this worker's push reach the merge: the test's own oracle.
+    ``wire_itemsize``: bytes per element on the wire, when the push is cast (bfloat16: 2)."""
+    itemsize = wire_itemsize or values.dtype.itemsize
     layout = FragmentLayout(BlockLayout(values.size, config.block_elems),
-                            fragment_elems(config.block_elems, values.dtype.itemsize,
+                            fragment_elems(config.block_elems, itemsize,
                                            config.udp_payload_bytes))
     channels = assign_channels(block_mean_abs(layout.blocks, values), k, config.udp_channels)
     reliable = np.repeat(channels == 0, layout.frags_per_block)
@@ -414,9 +416,14 @@ def test_a_push_with_a_malformed_scores_frame_is_refused(make_job, monkeypatch):
         monkeypatch.setattr(worker, "_send", truncate_scores)
         with pytest.raises(RemoteProtocolError, match="scores frame of 16 bytes, the part has 5"):
             worker.pushpull(0, np.ones(5000, np.float32)).wait()
-    # The push, then its end-of-datagrams marker (a marker without its push).
-    assert servers[0].server.counters["tcp_refused"] == 2
-    assert servers[0].server.counters["steps_closed"] == 0
+    # The push, then its end-of-datagrams marker (a marker without its push).  The refusal of
+    # the push can reach the worker before the server has read the marker: wait for it.
+    counters = servers[0].server.counters
+    deadline = time.monotonic() + 10
+    while counters["tcp_refused"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert counters["tcp_refused"] == 2
+    assert counters["steps_closed"] == 0
 
 
 @pytest.mark.parametrize("wire_dtype, k, drop", [("bfloat16", 0.3, 0.2), ("bfloat16", 0.1, 0.9),
@@ -445,17 +452,9 @@ def test_bfloat16_wire_sums_the_rounded_survivors_in_float32_on_half_the_bytes(m
     results = run_workers(config, body, 2)
     expected = np.zeros(n, np.float32)
     for rank, values in data.items():
-        wire = values.astype(BFLOAT16)
-        layout = FragmentLayout(BlockLayout(n, config.block_elems),
-                                fragment_elems(config.block_elems, 2, config.udp_payload_bytes))
-        channels = assign_channels(block_mean_abs(layout.blocks, values), k,
-                                   config.udp_channels)
-        udp = layout.slots_of_blocks(np.flatnonzero(channels))
-        lost = np.zeros(layout.n_slots, dtype=bool)
-        lost[udp] = dropped_slots(config.udp_drop, config.seed, rank, key, 0, 0, udp)
-        slots = layout.valid_slots & (np.repeat(channels == 0, layout.frags_per_block) | ~lost)
+        layout, slots = delivered_slots(config, rank, key, 0, values, k, wire_itemsize=2)
         mask = layout.element_mask(slots)
-        expected[mask] += wire.astype(np.float32)[mask]
+        expected[mask] += values.astype(BFLOAT16).astype(np.float32)[mask]
         # Every pushed byte is 2 per element: reliable and UDP blocks alike.
         assert sum(results[rank][2]) == (2 if wire_dtype == "bfloat16" else 4) * n
     expected = expected.astype(BFLOAT16).astype(np.float32)
@@ -479,7 +478,11 @@ def test_workers_with_different_wire_dtypes_are_refused(make_job):
     with Worker(config.replace(rank=0)) as first, \
             Worker(config.replace(rank=1, wire_dtype="bfloat16")) as second:
         waiting = first.pushpull(0, values)
-        time.sleep(0.2)  # the native push opens the step first
+        merger = servers[0].server.merger
+        deadline = time.monotonic() + 10
+        while (0, 0) not in merger._parts:  # the native push opens the part first
+            assert time.monotonic() < deadline, "the first push never reached the server"
+            time.sleep(0.01)
         with pytest.raises(RemoteProtocolError, match="dtype_code=10.*differs.*dtype_code=1"):
             second.pushpull(0, values).wait()
         with pytest.raises(StepTimeout):

@@ -200,7 +200,7 @@ def test_bfloat16_travels_in_two_bytes_and_rounds_to_nearest():
     _, payload = decode_datagram(datagram(header))
     assert len(payload) == (452 - 350) * 2
     # float32's range, 8 significant bits: 1 + 2**-8 is a tie and rounds to even (1.0),
-    # 1 + 3 * 2**-8 rounds up to 1 + 2**-6; 1e38 stays finite, as float16 would not.
+    # 1 + 3 * 2**-8, also a tie, to 1 + 2**-6 (even); 1e38 stays finite, as float16 would not.
     values = np.array([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1e38, -3.0], np.float32)
     wire = values.astype(BFLOAT16)
     assert wire.nbytes == 8
