@@ -49,13 +49,15 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.testbed import Testbed, available  # noqa: E402
 from dgt.launch import _Child, supervise  # noqa: E402
+from dgt.server import own_cpu_from_log  # noqa: E402
 
 SYSTEMS = ("dgt", "dgt-reliable", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod",
            "horovod_fp16")
 HOROVOD_SYSTEMS = ("horovod", "horovod_fp16")
 COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "step_time_p90_s",
            "throughput_samples_s", "bytes_per_step", "udp_loss_rate", "time_to_target_s",
-           "final_accuracy", "compute_s", "lower_bound_s", "status")
+           "final_accuracy", "compute_s", "lower_bound_s", "worker_cpu_ms", "server_cpu_ms",
+           "status")
 
 
 @dataclass
@@ -74,6 +76,10 @@ class Row:
     final_accuracy: Optional[float] = None
     compute_s: Optional[float] = None
     lower_bound_s: Optional[float] = None
+    # dgt's own CPU per step (thread CPU, see StepStats.cpu_ms and Server.own_cpu_s): on
+    # worker 0, and on the busiest server.  Empty for the other systems.
+    worker_cpu_ms: Optional[float] = None
+    server_cpu_ms: Optional[float] = None
     status: str = "ok"
 
 
@@ -94,6 +100,7 @@ def summarise_curve(path: str, target: float, warmup: int) -> dict:
     out = {"steps": summary.get("steps", len(steps)),
            "final_accuracy": evals[-1]["accuracy"] if evals else None,
            "udp_loss_rate": summary.get("udp_loss_rate"),
+           "worker_cpu_ms": summary.get("dgt_cpu_ms_per_step"),
            "accuracy_curve": [(e["train_time_s"], e["accuracy"]) for e in evals]}
     if times:
         ordered = sorted(times)
@@ -276,6 +283,12 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     row.final_accuracy = measured["final_accuracy"]
     row.udp_loss_rate = measured["udp_loss_rate"]
     row.time_to_target_s = measured["time_to_target_s"]
+    row.worker_cpu_ms = measured["worker_cpu_ms"]
+    if system.startswith("dgt"):
+        with open(log_path, encoding="utf-8", errors="replace") as log:
+            own_cpu_s = own_cpu_from_log(log.read())
+        if own_cpu_s and row.steps:
+            row.server_cpu_ms = max(own_cpu_s.values()) * 1000 / row.steps
     if row.step_time_s:
         row.throughput_samples_s = args.workers * args.batch_size / row.step_time_s
     moved = {link: (after[link]["rx"] - before[link]["rx"], after[link]["tx"] - before[link]["tx"])
@@ -331,7 +344,8 @@ def markdown(rows: List[Row], args, machine: str) -> str:
         lines.append(f"`{name}`: dgt with {settings(env)}.")
     lines += ["", "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
               "(server links) | UDP loss | time to target s | final acc | lower bound s | "
-              "status |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "dgt CPU ms/step: worker, server (% of step) | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
     for r in rows:
         ratio = (r.step_time_s / base[r.model]) if r.step_time_s and base.get(r.model) else None
@@ -341,8 +355,21 @@ def markdown(rows: List[Row], args, machine: str) -> str:
             f"{fmt(r.bytes_per_step / 1e6 if r.bytes_per_step else None, 1)} | "
             f"{fmt(r.udp_loss_rate * 100 if r.udp_loss_rate is not None else None, 1)}"
             f"{'%' if r.udp_loss_rate is not None else ''} | {fmt(r.time_to_target_s, 1)} | "
-            f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {r.status} |")
+            f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {cpu_cell(r)} | {r.status} |")
     return "\n".join(lines) + "\n"
+
+
+def cpu_cell(row: Row) -> str:
+    """dgt's own CPU per step on a worker and on a server, with their shares of the step."""
+    parts = []
+    for cpu_ms in (row.worker_cpu_ms, row.server_cpu_ms):
+        if cpu_ms is None:
+            parts.append("-")
+        elif row.step_time_s:
+            parts.append(f"{cpu_ms:.1f} ({cpu_ms / 10 / row.step_time_s:.1f} %)")
+        else:
+            parts.append(f"{cpu_ms:.1f}")
+    return "-" if parts == ["-", "-"] else ", ".join(parts)
 
 
 def plot(rows: List[Row], args) -> List[str]:

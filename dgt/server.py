@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -42,6 +43,15 @@ from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, F
 __all__ = ["Server", "main"]
 
 logger = logging.getLogger(__name__)
+
+# The exit line that reports Server.own_cpu_s; own_cpu_from_log reads it back.
+OWN_CPU_LOG = "server %d: dgt's own CPU %.6f s (decode, merge, close, frame the replies)"
+_OWN_CPU_PATTERN = re.compile(r"server (\d+): dgt's own CPU ([0-9.]+) s")
+
+
+def own_cpu_from_log(text: str) -> Dict[int, float]:
+    """Server index -> dgt's own CPU seconds, from the exit lines of servers' logs."""
+    return {int(index): float(seconds) for index, seconds in _OWN_CPU_PATTERN.findall(text)}
 
 _UDP_BATCHES_PER_TURN = 16  # batches of datagrams read per loop turn, so a flood cannot starve TCP
 
@@ -147,6 +157,10 @@ class Server:
         self.merger = StepMerger(config.num_workers, config.receive_mode,
                                  config.grace_ms / 1000.0, config.error_feedback)
         self.counters: Counter = Counter()
+        # dgt's own CPU seconds (thread CPU): decoding pushes, merging both streams, closing
+        # steps and framing replies.  The optimizer and the socket reads are left out: every
+        # parameter server has them.  Logged at exit (OWN_CPU_LOG) for the benchmarks.
+        self.own_cpu_s = 0.0
         self._identity: Dict[int, bytes] = {}
         self._rank_of: Dict[bytes, int] = {}
         self._next_rank = 0
@@ -253,6 +267,7 @@ class Server:
         counts = dict(self.counters)
         counts.update({f"udp_{k}": v for k, v in self.merger.counters.items()})
         logger.info("server %d counters: %s", self.config.server_index, counts)
+        logger.info(OWN_CPU_LOG, self.config.server_index, self.own_cpu_s)
 
     # == UDP ==================================================================================
     def _drain_udp(self) -> None:
@@ -261,7 +276,9 @@ class Server:
         for _ in range(_UDP_BATCHES_PER_TURN):
             count = udp.receive_batch()
             if count:
+                began = time.thread_time()
                 self._merge_batch(count)
+                self.own_cpu_s += time.thread_time() - began
             if count < len(udp.rows):
                 return
 
@@ -335,7 +352,9 @@ class Server:
             raise RemoteProtocolError(f"{mtype.name} from a peer that did not say HELLO as "
                                       f"rank {header.rank}")
         if mtype is MsgType.PUSH:
+            began = time.thread_time()
             self._on_push(header, frames)
+            self.own_cpu_s += time.thread_time() - began
         elif mtype is MsgType.PUSH_END:
             self.merger.add_push_end(header, time.monotonic())
         elif mtype is MsgType.INIT:
@@ -521,13 +540,19 @@ class Server:
 
     # == closing steps ========================================================================
     def _close_steps(self) -> None:
+        began = time.thread_time()
+        optimizer_s = 0.0
         for closed in self.merger.poll(time.monotonic()):
-            self._reply(closed)
+            optimizer_s += self._reply(closed)
+        self.own_cpu_s += time.thread_time() - began - optimizer_s
 
-    def _reply(self, closed: ClosedStep) -> None:
+    def _reply(self, closed: ClosedStep) -> float:
+        """Apply the optimizer (if any) and queue the replies of a closed step; returns the
+        optimizer's CPU seconds."""
         key = (closed.key, closed.part)
         flags = 0
         bucket = self._buckets.get(closed.key)
+        optimizer_s, optimizer_began = 0.0, time.thread_time()
         if self._optimizer is not None:
             payload = self._values[key]
             # The sum before any cast to a 16-bit wire dtype, in the weights' own dtype.
@@ -544,6 +569,7 @@ class Server:
                 for member, lo, hi in spans:
                     payload[lo:hi] = self._values[(member, 0)]
             flags |= FLAG_WEIGHTS
+            optimizer_s = time.thread_time() - optimizer_began
         else:
             self._values[key] = closed.merged
             payload = closed.merged
@@ -586,6 +612,7 @@ class Server:
                          "end marker, replied after %.1f ms", closed.key, closed.part, closed.step,
                          (closed.last_push_time - closed.first_push_time) * 1000,
                          closed.grace_s * 1000, (now - closed.last_push_time) * 1000)
+        return optimizer_s
 
 
 def main(argv=None) -> int:

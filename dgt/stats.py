@@ -34,6 +34,10 @@ class StepStats:
     grace_ms_max: float = 0.0
     latency_ms: float = 0.0  # first push of the step -> last reply of the step
     reply_bytes: int = 0  # payload bytes of the replies (sparse ones hold touched blocks only)
+    # dgt's own CPU time (thread CPU, waits excluded): the pushes' scoring, classification,
+    # casting and framing (datagram socket calls excluded) and the replies' decoding and
+    # copying into the result.  Compare with the step time for dgt's overhead.
+    cpu_ms: float = 0.0
     keys: int = 0
 
     def __post_init__(self):

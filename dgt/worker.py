@@ -216,7 +216,7 @@ class Worker:
         self.last_stats: Optional[StepStats] = None  # the last finished step
         self.totals = {"steps": 0, "bytes_per_channel": [0] * (config.udp_channels + 1),
                        "udp_expected": 0, "udp_merged": 0, "udp_lost": 0, "udp_late": 0,
-                       "feedback_elems": 0}
+                       "feedback_elems": 0, "cpu_ms": 0.0}
         self._stats_lock = threading.Lock()
         self._round_lock = threading.RLock()
         self._plan_lock = threading.Lock()
@@ -267,6 +267,7 @@ class Worker:
         ``priority`` is MXNet's (higher: sent and answered sooner, see ``DGT_PRIORITY_ORDER``).
         """
         self._check_usable()
+        cpu_began = time.thread_time()  # CPU only: the waits below do not count
         flat = self._as_flat(flat)
         if step_stats is None:
             step_stats = self.begin(key)
@@ -297,9 +298,11 @@ class Worker:
             plan.last = pending
         k = step_stats.k if step_stats is not None else self._threshold.k
         priority = clamp_priority(priority)
+        socket_s = 0.0
         for part, step in zip(plan.parts, steps):
-            self._push_part(key, part, step, flat[part.start:part.stop], pending, step_stats, k,
-                            priority)
+            socket_s += self._push_part(key, part, step, flat[part.start:part.stop], pending,
+                                        step_stats, k, priority)
+        self._add_cpu(step_stats, time.thread_time() - cpu_began - socket_s)
         return pending
 
     def server_of(self, key: int, n_elems: int) -> Optional[int]:
@@ -430,7 +433,9 @@ class Worker:
 
     # == push path ============================================================================
     def _push_part(self, key: int, part: Part, step: int, values: np.ndarray,
-                   pending: Pending, stats: Optional[StepStats], k: float, priority: int) -> None:
+                   pending: Pending, stats: Optional[StepStats], k: float,
+                   priority: int) -> float:
+        """Queue one part's push; returns the CPU seconds spent in datagram socket calls."""
         cfg = self.config
         wire_dtype = self._wire_dtype(values.dtype)
         code = dtype_code(wire_dtype)
@@ -453,7 +458,7 @@ class Worker:
             self._send(part.server, [encode_header(header),
                                      *split_blocks(blocks, everything, payload)], priority)
             self._count(stats, 0, blocks.n_blocks, payload.nbytes)
-            return
+            return 0.0
         if cfg.error_feedback:
             values = self._memory.compensate(ident, values, out=scratch.compensated)
             inflight.compensated = values
@@ -488,10 +493,13 @@ class Worker:
             chosen = channels[udp_blocks] == channel
             self._count(stats, channel, int(np.count_nonzero(chosen)),
                         int(blocks.block_lengths[udp_blocks[chosen]].sum()) * wire_dtype.itemsize)
+        socket_s = 0.0
         if len(slots):
-            self._send_datagrams(base, layout, wire_values, channels, slots, stats, part.server)
+            socket_s = self._send_datagrams(base, layout, wire_values, channels, slots, stats,
+                                            part.server)
             self._send(part.server, [encode_header(base._replace(type=MsgType.PUSH_END))],
                        priority)
+        return socket_s
 
     def _wire_dtype(self, dtype: np.dtype) -> np.dtype:
         """The dtype ``dtype`` gradients travel in (``DGT_WIRE_DTYPE``)."""
@@ -524,12 +532,13 @@ class Worker:
 
     def _send_datagrams(self, base: Header, layout: FragmentLayout, values: np.ndarray,
                         channels: np.ndarray, slots: np.ndarray, stats: Optional[StepStats],
-                        server: int):
+                        server: int) -> float:
         """Send one datagram per fragment slot, in the given order (channel 1 first).
 
         Datagrams of full size are copied into one staging array, header and payload per
         row, and handed to the kernel many rows per call (UDP GSO); the rest, if any, one by
-        one.  Loss injection removes rows before sending.
+        one.  Loss injection removes rows before sending.  Returns the CPU seconds spent in
+        the socket calls (the transport's cost, not dgt's own).
         """
         cfg = self.config
         dropped = dropped_slots(cfg.udp_drop, cfg.seed, self.rank, base.key, base.part,
@@ -546,6 +555,7 @@ class Worker:
         uniform = ((stops - starts) == fe) & (starts % fe == 0)
         addr = self._addrs[server]
         sent = errors = 0
+        socket_s = 0.0
         if uniform.any():
             rows = np.flatnonzero(uniform)
             n_rows_total = values.size // fe
@@ -557,13 +567,16 @@ class Worker:
             staging[:, HEADER_BYTES:] = payload.view(np.uint8).reshape(len(rows), -1)
             row_chans = chans[rows]
             bounds = np.flatnonzero(np.diff(row_chans)) + 1
+            socket_began = time.thread_time()
             for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(rows)]):
                 ok, bad = self._udp.send_rows(int(row_chans[lo]), addr, staging[lo:hi])
                 sent += ok
                 errors += bad
+            socket_s += time.thread_time() - socket_began
         if not uniform.all():
             header_view = memoryview(headers.tobytes())
             data_view = memoryview(values.view(np.uint8))  # bfloat16 has no buffer format
+            socket_began = time.thread_time()
             for i in np.flatnonzero(~uniform).tolist():
                 if self._udp.send(int(chans[i]), addr,
                                   header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
@@ -571,11 +584,13 @@ class Worker:
                     sent += 1
                 else:
                     errors += 1
+            socket_s += time.thread_time() - socket_began
         if stats is not None:
             with self._stats_lock:
                 stats.datagrams_sent += sent
                 stats.datagrams_injected_loss += int(np.count_nonzero(dropped))
                 stats.datagrams_send_errors += errors
+        return socket_s
 
     # == helpers ==============================================================================
     @staticmethod
@@ -669,10 +684,16 @@ class Worker:
         totals["steps"] += 1
         for index, nbytes in enumerate(stats.bytes_per_channel):
             totals["bytes_per_channel"][index] += nbytes
-        for name in ("udp_expected", "udp_merged", "udp_lost", "udp_late", "feedback_elems"):
+        for name in ("udp_expected", "udp_merged", "udp_lost", "udp_late", "feedback_elems",
+                     "cpu_ms"):
             totals[name] += getattr(stats, name)
         if self._sink is not None:
             self._sink.write(stats)
+
+    def _add_cpu(self, stats: Optional[StepStats], seconds: float) -> None:
+        if stats is not None:
+            with self._stats_lock:
+                stats.cpu_ms += seconds * 1000.0
 
     def _count(self, stats: Optional[StepStats], channel: int, blocks: int, nbytes: int) -> None:
         if stats is not None:
@@ -731,6 +752,7 @@ class Worker:
                                                f"{mtype.name}"))
 
     def _on_reply(self, header: Header, frames) -> None:
+        cpu_began = time.thread_time()
         entry = self._pop(("push", header.key, header.part, header.step))
         if entry is None:
             self._fail_all(RemoteProtocolError(f"reply for an unknown push: {header.debug_str()}"))
@@ -781,6 +803,7 @@ class Worker:
                 stats.grace_ms_max = max(stats.grace_ms_max, header.grace_us / 1000.0)
                 stats.latency_ms = max(stats.latency_ms,
                                        (time.time() - stats.started_s) * 1000.0)
+        self._add_cpu(stats, time.thread_time() - cpu_began)
         entry.pending._part_done()
 
     def _reply_dtype_ok(self, dtype: np.dtype, result: Optional[np.ndarray]) -> bool:

@@ -315,7 +315,8 @@ def train(model: str, argv=None) -> dict:
     if counters:
         expected = counters["udp_expected"]
         summary.update(bytes_per_channel=counters["bytes_per_channel"],
-                       udp_loss_rate=(counters["udp_lost"] / expected) if expected else 0.0)
+                       udp_loss_rate=(counters["udp_lost"] / expected) if expected else 0.0,
+                       dgt_cpu_ms_per_step=counters["cpu_ms"] / max(counters["steps"], 1))
     if args.save_params:
         weights = np.concatenate([p.data().asnumpy().ravel()
                                   for _, p in sorted(net.collect_params().items())])

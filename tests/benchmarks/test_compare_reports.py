@@ -18,7 +18,8 @@ def recorded_curve(path, step_s, accuracy_at):
         if step % 5 == 0:
             lines.append({"event": "eval", "step": step, "train_time_s": step * step_s,
                           "time_s": step * step_s, "accuracy": accuracy_at[step]})
-    lines.append({"event": "summary", "steps": 10, "udp_loss_rate": 0.25})
+    lines.append({"event": "summary", "steps": 10, "udp_loss_rate": 0.25,
+                  "dgt_cpu_ms_per_step": 12.5})
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
 
 
@@ -28,7 +29,7 @@ def test_summarise_curve_measures_steps_and_time_to_target(tmp_path):
     out = summarise_curve(str(curve), target=0.6, warmup=3)
     assert out["step_time_s"] == pytest.approx(0.5) and out["step_time_p90_s"] == pytest.approx(0.5)
     assert out["time_to_target_s"] == pytest.approx(5.0) and out["final_accuracy"] == 0.7
-    assert out["udp_loss_rate"] == 0.25
+    assert out["udp_loss_rate"] == 0.25 and out["worker_cpu_ms"] == 12.5
     assert summarise_curve(str(curve), target=0.9, warmup=3)["time_to_target_s"] is None
 
 
@@ -38,7 +39,7 @@ def test_reports_are_written_with_every_column(tmp_path):
     recorded_curve(tmp_path / "t-alexnet-dgt.jsonl", 0.4, {5: 0.5, 10: 0.8})
     recorded_curve(tmp_path / "t-alexnet-dist_sync.jsonl", 0.8, {5: 0.5, 10: 0.8})
     rows = [Row("dgt", "alexnet", 2, 1000.0, 10, 0.4, 0.45, 160.0, 150e6, 0.1, 2.0, 0.8, 0.2,
-                1.2),
+                1.2, worker_cpu_ms=20.0, server_cpu_ms=40.0),
             Row("dist_sync", "alexnet", 2, 1000.0, 10, 0.8, 0.9, 80.0, 320e6, None, 4.0, 0.8,
                 0.2, 2.6),
             Row("horovod", "alexnet", 2, 1000.0, status="not installed")]
@@ -49,6 +50,8 @@ def test_reports_are_written_with_every_column(tmp_path):
     assert table[0]["system"] == "dgt" and float(table[0]["step_time_s"]) == 0.4
     text = (tmp_path / "t.md").read_text()
     assert "| alexnet | dgt | 0.400 | 0.450 | 0.50 |" in text  # ratio vs dist_sync
+    assert "| 20.0 (5.0 %), 40.0 (10.0 %) | ok |" in text  # dgt's CPU and its share of 0.4 s
+    assert "| 2.600 | - | ok |" in text  # no dgt CPU for dist_sync
     assert "not installed" in text and text == markdown(rows, args, "Machine: test.")
     for name in ("t-step-time.png", "t-accuracy.png", "t-bytes.png"):
         assert (tmp_path / name).stat().st_size > 1000 and str(tmp_path / name) in paths

@@ -1,5 +1,6 @@
 """Workers and servers over real localhost sockets (threads in this process)."""
 import json
+import logging
 import socket
 import time
 
@@ -11,6 +12,7 @@ from dgt.lossmodel import dropped_slots
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems
 from dgt.policy import assign_channels
 from dgt.scoring import block_mean_abs
+from dgt.server import own_cpu_from_log
 from dgt.wire import Header, MsgType, encode_header
 from dgt.worker import Worker
 
@@ -217,6 +219,39 @@ def test_stats_are_written_as_json_lines(make_job, tmp_path):
     assert first["bytes_per_channel"][0] > 0 and sum(first["bytes_per_channel"][1:]) > 0
     assert first["udp_expected"] == first["udp_merged"] + first["udp_lost"]
     assert first["datagrams_injected_loss"] > 0 and first["udp_lost"] >= first["datagrams_injected_loss"]
+
+
+def test_dgt_own_cpu_time_is_counted_per_step_on_workers_and_servers(make_job, tmp_path,
+                                                                      caplog):
+    caplog.set_level(logging.INFO, logger="dgt.server")
+    config, servers = make_job(2, threshold=0.3, adaptive=False, udp_drop=0.2, grace_ms=30,
+                               stats=str(tmp_path / "stats-{rank}.jsonl"))
+    values = np.random.default_rng(0).standard_normal(200_000).astype(np.float32)
+
+    def body(worker):
+        walls = []
+        for _ in range(3):
+            began = time.perf_counter()
+            worker.pushpull(0, values).wait()
+            walls.append(time.perf_counter() - began)
+        return walls, dict(worker.totals)
+
+    results = run_workers(config, body, 2)
+    for rank in range(2):
+        walls, totals = results[rank]
+        records = [json.loads(line) for line in
+                   (tmp_path / f"stats-{rank}.jsonl").read_text().splitlines()]
+        # Scoring 196 blocks and framing their datagrams takes some CPU every step; the
+        # push thread and the I/O thread cannot together spend more than twice the wall time.
+        for record, wall_s in zip(records, walls):
+            assert 0 < record["cpu_ms"] <= 2 * wall_s * 1000
+        # The totals hold the finished steps; the last one finishes when the worker closes.
+        assert totals["cpu_ms"] == pytest.approx(sum(r["cpu_ms"] for r in records[:-1]))
+    server = servers[0].server
+    assert server.own_cpu_s > 0
+    servers[0].stop()  # it stopped when both workers left; its exit line is logged by then
+    # The benchmarks read it back from the server's exit line.
+    assert own_cpu_from_log(caplog.text) == {0: pytest.approx(server.own_cpu_s, abs=1e-6)}
 
 
 def test_pushes_from_many_short_lived_threads_leak_nothing(make_job):
