@@ -2,11 +2,20 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from dgt.config import Config
+
+
+def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Poll ``condition()`` until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.01)
 
 
 @pytest.fixture

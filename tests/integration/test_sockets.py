@@ -16,7 +16,7 @@ from dgt.server import own_cpu_from_log
 from dgt.wire import Header, MsgType, encode_header
 from dgt.worker import Worker
 
-from ..conftest import run_workers
+from ..conftest import run_workers, wait_until
 
 SIZES = (1, 1023, 1024, 1025, 100_000)
 
@@ -454,9 +454,7 @@ def test_a_push_with_a_malformed_scores_frame_is_refused(make_job, monkeypatch):
     # The push, then its end-of-datagrams marker (a marker without its push).  The refusal of
     # the push can reach the worker before the server has read the marker: wait for it.
     counters = servers[0].server.counters
-    deadline = time.monotonic() + 10
-    while counters["tcp_refused"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: counters["tcp_refused"] >= 2, "the end marker's refusal")
     assert counters["tcp_refused"] == 2
     assert counters["steps_closed"] == 0
 
@@ -513,11 +511,8 @@ def test_workers_with_different_wire_dtypes_are_refused(make_job):
     with Worker(config.replace(rank=0)) as first, \
             Worker(config.replace(rank=1, wire_dtype="bfloat16")) as second:
         waiting = first.pushpull(0, values)
-        merger = servers[0].server.merger
-        deadline = time.monotonic() + 10
-        while (0, 0) not in merger._parts:  # the native push opens the part first
-            assert time.monotonic() < deadline, "the first push never reached the server"
-            time.sleep(0.01)
+        merger = servers[0].server.merger  # the native push opens the part first
+        wait_until(lambda: (0, 0) in merger._parts, "the first push to reach the server")
         with pytest.raises(RemoteProtocolError, match="dtype_code=10.*differs.*dtype_code=1"):
             second.pushpull(0, values).wait()
         with pytest.raises(StepTimeout):
