@@ -102,3 +102,93 @@ def test_server_module_fails_clearly_on_bad_environment():
                           env=env, timeout=60)
     assert proc.returncode == 2
     assert "DGT_GRACE_MS=-1.0 is out of range" in proc.stderr
+
+
+# --- several hosts: --hostfile over ssh (tests/integration/fake_ssh.py plays ssh and sshd) ---
+FAKE_SSH = " ".join([sys.executable,
+                     os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_ssh.py")])
+
+REMOTE_WORKER = WORKER + """
+import os
+print("rank", worker.rank, "ran on", os.environ["FAKE_SSH_HOST"], "threshold",
+      os.environ["DGT_THRESHOLD"], "extra", os.environ.get("EXTRA_SETTING"),
+      "unforwarded", os.environ.get("NOT_FORWARDED"))
+"""
+
+
+def launch_on_hosts(tmp_path, hostfile_text, *args, env=None, timeout=120):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(hostfile_text)
+    from dgt.launch import free_port
+    return launch("--hostfile", str(hostfile), "--ssh", FAKE_SSH, "--port", str(free_port()),
+                  *args, env=env, timeout=timeout)
+
+
+def test_hostfile_job_runs_every_process_over_ssh_round_robin(tmp_path):
+    """Two "hosts" (127.0.0.1 and 127.0.0.2, both loopback); the fake sshd starts each process
+    with a login environment, so everything the job needs must come through the launcher."""
+    env = {"DGT_BIGARRAY_ELEMS": "1024", "DGT_THRESHOLD": "0.5", "EXTRA_SETTING": "yes",
+           "NOT_FORWARDED": "leak"}
+    proc = launch_on_hosts(tmp_path, "# two hosts\n127.0.0.1\nme@127.0.0.2\n",
+                           "-n", "3", "-s", "2", "--env", "EXTRA_SETTING", "--env", "PATH",
+                           sys.executable, "-c", REMOTE_WORKER, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank, host in enumerate(["127.0.0.1", "127.0.0.2", "127.0.0.1"]):
+        assert f"[worker {rank}] rank {rank} of 3 sum 6" in proc.stdout
+        assert (f"[worker {rank}] rank {rank} ran on {host} threshold 0.5 extra yes "
+                "unforwarded None") in proc.stdout
+    assert "[server 1]" in proc.stdout
+
+
+def test_a_remote_failure_stops_every_remote_process_and_returns_its_code(tmp_path):
+    script = "import os, sys, time\n" \
+             "if os.environ['DGT_RANK'] == '1': sys.exit(3)\n" \
+             "time.sleep(120)\n"
+    start = time.monotonic()
+    proc = launch_on_hosts(tmp_path, "127.0.0.1\n127.0.0.2\n", "-n", "2", sys.executable, "-c",
+                           script, env={"DGT_JOB_ID": "987003"})
+    assert proc.returncode == 3, proc.stdout
+    assert "worker 1 on 127.0.0.2 exited with code 3" in proc.stdout
+    assert time.monotonic() - start < 30
+    # The fake sshd's processes live in sessions of their own, as on a real host: only the
+    # closed connection (stdin) can have ended them.
+    time.sleep(1.0)
+    assert processes_of_job(987003) == []
+
+
+def test_an_unreachable_host_is_named_and_stops_the_job(tmp_path):
+    proc = launch_on_hosts(tmp_path, "127.0.0.1\n127.0.0.2\n", "-n", "2", sys.executable, "-c",
+                           "import time; time.sleep(120)",
+                           env={"FAKE_SSH_DOWN": "127.0.0.2", "DGT_JOB_ID": "987004"})
+    assert proc.returncode == 255
+    assert "on 127.0.0.2 exited with code 255 (ssh's code: the host could not be reached" \
+        in proc.stdout
+    time.sleep(1.0)
+    assert processes_of_job(987004) == []
+
+
+def test_a_killed_launcher_stops_its_remote_processes(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1\n127.0.0.2\n")
+    env = dict(os.environ, DGT_JOB_ID="987005")
+    launcher = subprocess.Popen([sys.executable, "-m", "dgt.launch", "--hostfile", str(hostfile),
+                                 "--ssh", FAKE_SSH, "-n", "2", sys.executable, "-c",
+                                 "import time; time.sleep(120)"], env=env,
+                                stdout=subprocess.DEVNULL)
+    time.sleep(3)
+    assert len(processes_of_job(987005)) >= 4  # launcher, server, 2 workers (+ their shells)
+    launcher.terminate()
+    launcher.wait(timeout=30)
+    time.sleep(1.0)
+    assert processes_of_job(987005) == []
+
+
+def test_a_bad_hostfile_fails_before_anything_starts(tmp_path):
+    proc = launch_on_hosts(tmp_path, "node1\nnode two\n", "-n", "1", sys.executable, "-c", "pass")
+    assert proc.returncode == 2
+    assert "line 2: 'node two' is not a host" in proc.stdout
+    assert "[worker" not in proc.stdout and "[server" not in proc.stdout
+    proc = launch("--hostfile", str(tmp_path / "missing"), "-n", "1", "true")
+    assert proc.returncode == 2 and "cannot be read" in proc.stdout
+    proc = launch("--hostfile", str(tmp_path / "hosts"), "--host", "10.0.0.1", "-n", "1", "true")
+    assert proc.returncode == 2 and "exclude each other" in proc.stderr
