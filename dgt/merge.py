@@ -133,6 +133,9 @@ class _PartState:
     # the one before it is free.
     last_acc: Optional[np.ndarray] = None
     spare_acc: Optional[np.ndarray] = None
+    # False while only datagrams have been seen: their layout is then provisional, and the
+    # first PUSH (reliable, fully checked) overrules it.
+    pushed: bool = False
 
 
 class StepMerger:
@@ -161,12 +164,23 @@ class StepMerger:
             state.late_dropped = np.zeros(self.num_workers, dtype=np.int64)
             self._parts[ident] = state
         elif state.spec != spec:
+            if create and not state.pushed:
+                # Datagrams that overtook the first PUSH opened the part in another layout
+                # (only a faulty sender does that): they are dropped, the PUSH's layout holds.
+                self._discard_provisional(ident)
+                return self._part(header, create)
             if create:
                 raise RemoteProtocolError(
                     f"key {header.key} part {header.part}: layout {spec} differs from the "
                     f"layout of earlier steps {state.spec}")
             return None
         return state
+
+    def _discard_provisional(self, ident: Tuple[int, int]) -> None:
+        state = self._parts.pop(ident)
+        merged = sum(int(o.received.sum()) for o in state.steps.values())
+        self.counters[Outcome.MERGED] = self.counters.get(Outcome.MERGED, 0) - merged
+        self.counters[Outcome.MISMATCH] = self.counters.get(Outcome.MISMATCH, 0) + merged
 
     def _open(self, state: _PartState, step: int, zero: bool = True) -> _OpenStep:
         """The open step ``step`` of a part, created if needed; a new accumulator is zeroed
@@ -251,6 +265,7 @@ class StepMerger:
             for group, chunk in zip(groups, chunks):
                 layout.scatter_add_(open_step.acc, group, chunk)
         open_step.pushed[rank] = True
+        state.pushed = True
         if scores is not None:
             if open_step.scores is None:
                 open_step.scores = scores.astype(np.float32, copy=True)

@@ -296,3 +296,21 @@ def test_block_scores_are_summed_only_when_every_worker_sent_them():
     assert closed.scores is None
     with pytest.raises(RemoteProtocolError, match="3 blocks"):
         push_scored(0, 2, np.ones(4, np.float32))
+
+
+def test_the_first_push_overrules_the_layout_of_datagrams_that_overtook_it():
+    """A datagram that opens step 0 fixes the part's layout only until the first PUSH: one in
+    another layout (a faulty sender) is dropped then, and counted as a mismatch."""
+    merger = StepMerger(2, grace_s=10.0)
+    odd = Header(MsgType.DATA, rank=1, channel=1, dtype=1, key=1, step=0, n_elems=N,
+                 block_elems=B, frag_elems=2 * FE, block=1, frag=0)
+    assert merger.add_fragment(odd, np.ones(2 * FE, np.float32).tobytes(), 0.0) == Outcome.MERGED
+    push(merger, 0, 0, data(0), [0, 1, 2])
+    push(merger, 1, 0, data(1), [0, 1, 2])
+    closed, = merger.poll(0.0)
+    np.testing.assert_array_equal(closed.merged, data(0) * 3)  # nothing of the odd datagram
+    assert merger.counters[Outcome.MISMATCH] == 1 and merger.counters[Outcome.MERGED] == 0
+    # Once a PUSH has fixed the layout, a PUSH in another one is refused, as before.
+    with pytest.raises(RemoteProtocolError, match="differs from the layout"):
+        merger.add_push(odd._replace(type=MsgType.PUSH, rank=0, step=1, block=0),
+                        np.empty(0, np.int64), [], 0.0)
