@@ -15,9 +15,21 @@ from dgt.mxnet.fused import STALL_S  # noqa: E402
 JOBS = Path(__file__).parent / "jobs"
 
 
-def launch(job, out, kvstore, *extra, backend="dgt", env=None):
+FAKE_SSH = Path(__file__).parent.parent / "integration" / "fake_ssh.py"
+
+
+def launch(job, out, kvstore, *extra, backend="dgt", env=None, hosts=None):
+    """``hosts``: start every process over (a stand-in for) ssh on these loopback addresses."""
+    on_hosts = []
+    if hosts:
+        hostfile = out / "hosts"
+        hostfile.write_text("".join(f"{h}\n" for h in hosts))
+        from dgt.launch import free_port
+        on_hosts = ["--hostfile", str(hostfile), "--ssh", f"{sys.executable} {FAKE_SSH}",
+                    "--port", str(free_port())]
     cmd = [sys.executable, "-m", "dgt.launch", "--timeout", "240", "--backend", backend, "-n", "2",
-           sys.executable, str(JOBS / job), "--kvstore", kvstore, "--out", str(out), *extra]
+           *on_hosts, sys.executable, str(JOBS / job), "--kvstore", kvstore, "--out", str(out),
+           *extra]
     full_env = dict(os.environ, **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,6 +92,16 @@ def test_module_fit_string_dgt_equals_dist_sync_with_server_optimizer(tmp_path):
     _, (m0, _) = launch("module_job.py", tmp_path, "dist_sync", backend="mxnet")
     np.testing.assert_array_equal(d0, d1)
     np.testing.assert_allclose(d0, m0, rtol=1e-5, atol=1e-6)
+
+
+def test_dist_sync_over_a_hostfile_equals_dist_sync_on_this_machine(tmp_path):
+    """--backend mxnet --hostfile: the scheduler on the first host, every node announcing its
+    own address (DMLC_NODE_HOST); MXNet's server-side optimizer repeats to the bit."""
+    _, (local, _) = launch("module_job.py", tmp_path, "dist_sync", backend="mxnet")
+    _, (w0, w1) = launch("module_job.py", tmp_path, "dist_sync", backend="mxnet",
+                         hosts=["127.0.0.1", "127.0.0.2"])
+    np.testing.assert_array_equal(w0, w1)
+    np.testing.assert_array_equal(w0, local)
 
 
 def test_module_fit_with_differential_transmission_keeps_replicas_identical(tmp_path):

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import tempfile
+
 import pytest
 
 from benchmarks.testbed import Testbed, available
@@ -106,3 +108,39 @@ def test_teardown_runs_when_the_body_fails():
             raise RuntimeError("boom")
     assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                       text=True).stdout
+
+
+SUM_WORKER = """
+import os, numpy as np
+from dgt.config import Config
+from dgt.worker import Worker
+with Worker(Config.from_env()) as worker:
+    out = worker.pushpull(0, np.full(300000, worker.rank + 1, np.float32)).wait()
+    print("rank", worker.rank, "on", os.environ["FAKE_SSH_HOST"], "sum", out.min(), out.max())
+"""
+
+
+def test_a_hostfile_job_spans_the_testbeds_nodes():
+    """dgt-launch --hostfile with one server next to each worker, every process in its own
+    node's namespace (tests/integration/fake_ssh.py plays ssh), reaching the others over the
+    shaped links by the addresses the hostfile names."""
+    fake_ssh = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "integration", "fake_ssh.py")
+    with Testbed(["a", "b"], rate_mbit=100) as bed, \
+            tempfile.NamedTemporaryFile("w", suffix=".hosts") as hostfile:
+        hostfile.write("".join(f"{bed.addresses[n]}\n" for n in bed.nodes))
+        hostfile.flush()
+        # Everything reliable: the link's finite UDP queues could drop datagrams, and the sum
+        # must be exact here (loss over the testbed is benchmarks/compare.py's subject).
+        env = dict(os.environ, DGT_THRESHOLD="1", DGT_BIGARRAY_ELEMS="65536",
+                   FAKE_SSH_NETNS=",".join(f"{bed.addresses[n]}={bed.netns(n)}"
+                                           for n in bed.nodes))
+        proc = subprocess.run([sys.executable, "-m", "dgt.launch", "--hostfile", hostfile.name,
+                               "--ssh", f"{sys.executable} {fake_ssh}", "-n", "2", "-s", "2",
+                               "--timeout", "90", sys.executable, "-c", SUM_WORKER],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        for rank, node in enumerate(bed.nodes):
+            # Half the parts live on the other node's server: they crossed the shaped link.
+            assert f"rank {rank} on {bed.addresses[node]} sum 3.0 3.0" in proc.stdout, proc.stdout
+            assert bed.link_bytes(node)["rx"] > 300000 * 4 // 2
