@@ -191,6 +191,8 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
         train += ["--eval-every", str(args.eval_every)]
     if getattr(args, "update_on_workers", False):
         train += ["--update-on-kvstore", "0"]
+    if system == "dist_sync_2bit":
+        train += ["--two-bit-threshold", str(getattr(args, "two_bit_threshold", 0.5))]
     children = []
     if system.startswith("dgt"):
         addrs = ",".join(f"{bed.addresses[node]}:{port}" for node in servers)
@@ -342,6 +344,8 @@ def markdown(rows: List[Row], args, machine: str) -> str:
         lines.append(f"Every dgt run: {settings(args.dgt_env)}.")
     for name, env in getattr(args, "variants", {}).items():
         lines.append(f"`{name}`: dgt with {settings(env)}.")
+    if any(r.system == "dist_sync_2bit" for r in rows):
+        lines.append(f"`dist_sync_2bit`: threshold {getattr(args, 'two_bit_threshold', 0.5):g}.")
     lines += ["", "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
               "(server links) | UDP loss | time to target s | final acc | lower bound s | "
               "dgt CPU ms/step: worker, server (% of step) | status |",
@@ -442,6 +446,8 @@ def main(argv=None) -> int:
                              "the dgt and dist_sync systems too, as 2-bit and Horovod always "
                              "do; the servers then only sum, and dgt's replies carry only the "
                              "blocks that some worker's gradient reached")
+    parser.add_argument("--two-bit-threshold", type=float, default=0.5,
+                        help="dist_sync_2bit's threshold (MXNet's default 0.5)")
     parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)

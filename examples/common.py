@@ -64,6 +64,10 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         help="gradient transport: dgt, MXNet dist_sync (plain, 2-bit "
                              "compressed, or with the P3 van), Horovod's allreduce (when "
                              "installed), or local (single process)")
+    parser.add_argument("--two-bit-threshold", type=float, default=0.5,
+                        help="dist_sync_2bit: MXNet's 2-bit threshold (gradient values at or "
+                             "beyond +-T travel as +-T, the rest as 0 until their residual "
+                             "gets there); 0.5 is MXNet's documented default")
     parser.add_argument("--update-on-kvstore", default="auto", choices=("auto", "1", "0"),
                         help="where the optimizer runs (gluon.Trainer's update_on_kvstore): "
                              "auto lets MXNet choose (the servers, for dgt and dist_sync); 0 "
@@ -128,7 +132,7 @@ class HorovodJob:
         return self.hvd.DistributedTrainer(params, "sgd", scaled, compression=compression)
 
 
-def create_kvstore(name: str):
+def create_kvstore(name: str, two_bit_threshold: float = 0.5):
     """(kvstore or None, Trainer compression params)."""
     if name == "local":
         return None, None
@@ -136,7 +140,8 @@ def create_kvstore(name: str):
         return HorovodJob(fp16=name == "horovod_fp16"), None
     if name == "dgt":
         return mx.kv.create("dgt"), None
-    compression = {"type": "2bit", "threshold": 0.5} if name == "dist_sync_2bit" else None
+    compression = ({"type": "2bit", "threshold": two_bit_threshold}
+                   if name == "dist_sync_2bit" else None)
     return mx.kv.create("dist_sync"), compression
 
 
@@ -172,7 +177,10 @@ def train(model: str, argv=None) -> dict:
     logging.basicConfig(level=logging.WARNING)
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
-    kv, compression = create_kvstore(args.kvstore)
+    if not args.two_bit_threshold > 0:
+        raise SystemExit(f"--two-bit-threshold={args.two_bit_threshold} is out of range: "
+                         "allowed > 0")
+    kv, compression = create_kvstore(args.kvstore, args.two_bit_threshold)
     rank = kv.rank if kv is not None else 0
     workers = kv.num_workers if kv is not None else 1
     try:

@@ -91,3 +91,7 @@ def test_the_table_states_every_dgt_setting(tmp_path):
     assert "Every dgt run: DGT_ADAPTIVE=1." in text
     assert "`dgt-k06`: dgt with DGT_THRESHOLD=0.6." in text
     assert "| alexnet | dgt-k06 |" in text
+    assert "dist_sync_2bit" not in text  # its threshold only when it ran
+    args.two_bit_threshold = 0.05
+    text = markdown([Row("dist_sync_2bit", "alexnet", 2, 1000.0, status="ok")], args, "M.")
+    assert "`dist_sync_2bit`: threshold 0.05." in text
