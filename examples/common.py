@@ -240,7 +240,9 @@ def train(model: str, argv=None) -> dict:
     curve = Curve(args.log.format(model=model, kvstore=args.kvstore) if rank == 0 else "",
                   {"model": model, "kvstore": args.kvstore, "dataset": args.dataset,
                    "workers": workers, "algo": args.algo, "partition": args.partition,
-                   "batch_size": args.batch_size, "steps": total_steps})
+                   "batch_size": args.batch_size, "steps": total_steps,
+                   **({"two_bit_threshold": args.two_bit_threshold}
+                      if args.kvstore == "dist_sync_2bit" else {})})
     progress = None
     if rank == 0:
         from tqdm import tqdm
