@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence
 
 from .errors import ConfigError
 
-__all__ = ["Host", "read_hostfile", "parse_hosts", "place", "remote_command",
+__all__ = ["Host", "read_hostfile", "parse_hosts", "place", "forwarded_env", "remote_command",
            "FORWARDED_PREFIXES"]
 
 # What a remote process gets from the launcher's environment besides what the launcher sets:

@@ -30,7 +30,7 @@ from . import hosts as hostfile
 from .config import Config
 from .errors import ConfigError
 
-__all__ = ["main", "free_port"]
+__all__ = ["main", "free_port", "free_port_block"]
 
 _print_lock = threading.Lock()
 
@@ -50,7 +50,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError("no port free for both TCP and UDP")
 
 
-def _free_port_block(host: str, count: int) -> int:
+def free_port_block(host: str, count: int) -> int:
     """First of ``count`` consecutive free ports (MXNet and DMLC_PS_ROOT_PORT+i need them)."""
     for _ in range(200):
         first = free_port(host)
@@ -169,7 +169,7 @@ class _Spawner:
         probed, so they get :data:`DEFAULT_REMOTE_PORT`."""
         if self.args.port:
             return self.args.port
-        return DEFAULT_REMOTE_PORT if self.hosts else _free_port_block(self.args.host, count)
+        return DEFAULT_REMOTE_PORT if self.hosts else free_port_block(self.args.host, count)
 
     def start(self, role: str, rank: int, argv: List[str], env: Dict[str, str],
               host: Optional[hostfile.Host]) -> None:

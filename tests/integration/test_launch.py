@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+from dgt.launch import free_port_block
+
 
 WORKER = """
 import sys, numpy as np
@@ -119,8 +121,8 @@ print("rank", worker.rank, "ran on", os.environ["FAKE_SSH_HOST"], "threshold",
 def launch_on_hosts(tmp_path, hostfile_text, *args, env=None, timeout=120):
     hostfile = tmp_path / "hosts"
     hostfile.write_text(hostfile_text)
-    from dgt.launch import free_port
-    return launch("--hostfile", str(hostfile), "--ssh", FAKE_SSH, "--port", str(free_port()),
+    port = free_port_block("127.0.0.1", 2)  # servers 0 and 1 listen on port and port + 1
+    return launch("--hostfile", str(hostfile), "--ssh", FAKE_SSH, "--port", str(port),
                   *args, env=env, timeout=timeout)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("mxnet")
 
+from dgt.launch import free_port_block  # noqa: E402
 from dgt.mxnet.fused import STALL_S  # noqa: E402
 
 JOBS = Path(__file__).parent / "jobs"
@@ -24,9 +25,8 @@ def launch(job, out, kvstore, *extra, backend="dgt", env=None, hosts=None):
     if hosts:
         hostfile = out / "hosts"
         hostfile.write_text("".join(f"{h}\n" for h in hosts))
-        from dgt.launch import free_port
         on_hosts = ["--hostfile", str(hostfile), "--ssh", f"{sys.executable} {FAKE_SSH}",
-                    "--port", str(free_port())]
+                    "--port", str(free_port_block("127.0.0.1", 2))]
     cmd = [sys.executable, "-m", "dgt.launch", "--timeout", "240", "--backend", backend, "-n", "2",
            *on_hosts, sys.executable, str(JOBS / job), "--kvstore", kvstore, "--out", str(out),
            *extra]
