@@ -186,7 +186,7 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
     train = [sys.executable, os.path.join(ROOT, "examples", f"train_{model}.py"),
              "--dataset", "fashion-mnist", "--max-steps", str(args.steps), "--batch-size",
              str(args.batch_size), "--lr", str(args.lr), "--eval-samples", str(args.eval_samples),
-             "--log-every", "1", "--log", curve, "--seed", "0"]
+             "--log-every", "1", "--log", curve, "--seed", str(getattr(args, "seed", 0))]
     if args.eval_every:
         train += ["--eval-every", str(args.eval_every)]
     if getattr(args, "update_on_workers", False):
@@ -335,7 +335,8 @@ def markdown(rows: List[Row], args, machine: str) -> str:
         where += ", optimizer on the workers (update_on_kvstore=0)"
     lines = [f"Run `{args.name}`: {args.workers} workers + {servers} server"
              f"{'s' if servers > 1 else ''}{where}, links {args.rate:g} Mbit/s, "
-             f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST. {machine}"]
+             f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST"
+             f"{', seed %d' % args.seed if getattr(args, 'seed', 0) else ''}. {machine}"]
 
     def settings(env):
         return " ".join(f"{var}={value}" for var, value in env.items())
@@ -446,6 +447,8 @@ def main(argv=None) -> int:
                              "the dgt and dist_sync systems too, as 2-bit and Horovod always "
                              "do; the servers then only sum, and dgt's replies carry only the "
                              "blocks that some worker's gradient reached")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of data, initialisation and partition for every system (0)")
     parser.add_argument("--two-bit-threshold", type=float, default=0.5,
                         help="dist_sync_2bit's threshold (MXNet's default 0.5)")
     parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")

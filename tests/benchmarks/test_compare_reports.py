@@ -95,3 +95,6 @@ def test_the_table_states_every_dgt_setting(tmp_path):
     args.two_bit_threshold = 0.05
     text = markdown([Row("dist_sync_2bit", "alexnet", 2, 1000.0, status="ok")], args, "M.")
     assert "`dist_sync_2bit`: threshold 0.05." in text
+    assert "seed" not in text  # seed 0, the default, goes unsaid
+    args.seed = 3
+    assert "steps, Fashion-MNIST, seed 3. M." in markdown([], args, "M.")
