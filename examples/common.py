@@ -39,6 +39,17 @@ def int_at_least(minimum: int):
     return parse
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a float > 0, refused with a message that says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range: allowed > 0")
+    return value
+
+
 def build_parser(model: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=f"Train {model} with data-parallel workers; compare kvstores.",
@@ -64,7 +75,7 @@ def build_parser(model: str) -> argparse.ArgumentParser:
                         help="gradient transport: dgt, MXNet dist_sync (plain, 2-bit "
                              "compressed, or with the P3 van), Horovod's allreduce (when "
                              "installed), or local (single process)")
-    parser.add_argument("--two-bit-threshold", type=float, default=0.5,
+    parser.add_argument("--two-bit-threshold", type=positive_float, default=0.5,
                         help="dist_sync_2bit: MXNet's 2-bit threshold (gradient values at or "
                              "beyond +-T travel as +-T, the rest as 0 until their residual "
                              "gets there); 0.5 is MXNet's documented default")
@@ -177,9 +188,6 @@ def train(model: str, argv=None) -> dict:
     logging.basicConfig(level=logging.WARNING)
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
-    if not args.two_bit_threshold > 0:
-        raise SystemExit(f"--two-bit-threshold={args.two_bit_threshold} is out of range: "
-                         "allowed > 0")
     kv, compression = create_kvstore(args.kvstore, args.two_bit_threshold)
     rank = kv.rank if kv is not None else 0
     workers = kv.num_workers if kv is not None else 1

@@ -132,3 +132,13 @@ def test_plot_tool_draws_a_recorded_run(tmp_path):
     for name in ("accuracy_vs_time.png", "accuracy_vs_step.png", "bytes_per_channel.png",
                  "k_vs_time.png", "loss_vs_step.png"):
         assert (out / name).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("text", ["0", "-0.5", "half"])
+def test_a_bad_two_bit_threshold_is_refused_by_the_parser(text, capsys):
+    import common
+    with pytest.raises(SystemExit):
+        common.build_parser("alexnet").parse_args(["--two-bit-threshold", text])
+    assert "--two-bit-threshold" in capsys.readouterr().err
+    assert common.build_parser("alexnet").parse_args(
+        ["--two-bit-threshold", "0.05"]).two_bit_threshold == 0.05
