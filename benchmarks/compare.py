@@ -475,6 +475,9 @@ def main(argv=None) -> int:
     if args.colocate and not 1 <= args.servers <= args.workers:
         parser.error(f"--colocate needs 1 <= --servers <= --workers (got --servers "
                      f"{args.servers}, --workers {args.workers})")
+    if not args.two_bit_threshold > 0:  # refused here, not by the 2-bit job after set-up
+        parser.error(f"--two-bit-threshold {args.two_bit_threshold:g} is out of range: "
+                     "allowed > 0")
     args.dgt_env = dict(item.split("=", 1) for item in args.dgt)
     try:
         args.systems, args.variants = resolve_systems(args.systems, args.variant)

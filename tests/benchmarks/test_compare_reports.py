@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from benchmarks import compare  # noqa: E402
 from benchmarks.compare import COLUMNS, Row, markdown, summarise_curve, write_reports  # noqa: E402
 
 
@@ -98,3 +99,10 @@ def test_the_table_states_every_dgt_setting(tmp_path):
     assert "seed" not in text  # seed 0, the default, goes unsaid
     args.seed = 3
     assert "steps, Fashion-MNIST, seed 3. M." in markdown([], args, "M.")
+
+
+@pytest.mark.parametrize("threshold", ["0", "-0.5"])
+def test_a_bad_two_bit_threshold_is_refused_before_any_set_up(threshold, capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--two-bit-threshold", threshold])
+    assert "--two-bit-threshold" in capsys.readouterr().err
