@@ -337,6 +337,13 @@ def markdown(rows: List[Row], args, machine: str) -> str:
              f"{'s' if servers > 1 else ''}{where}, links {args.rate:g} Mbit/s, "
              f"batch {args.batch_size}/worker, {args.steps} steps, Fashion-MNIST"
              f"{', seed %d' % args.seed if getattr(args, 'seed', 0) else ''}. {machine}"]
+    if getattr(args, "target_accuracy", 0.0):
+        # A time to target means nothing without the target and how accuracy was read.
+        samples = getattr(args, "eval_samples", 0)
+        lines.append(f"Time to target: training time (evaluation excluded) until the test "
+                     f"accuracy first reaches {args.target_accuracy:g}, read every "
+                     f"{getattr(args, 'eval_every', 0)} steps on "
+                     f"{'the whole test set' if not samples else '%d test images' % samples}.")
 
     def settings(env):
         return " ".join(f"{var}={value}" for var, value in env.items())

@@ -54,6 +54,10 @@ def test_reports_are_written_with_every_column(tmp_path):
     assert "| 20.0 (5.0 %), 40.0 (10.0 %) | ok |" in text  # dgt's CPU and its share of 0.4 s
     assert "| 2.600 | - | ok |" in text  # no dgt CPU for dist_sync
     assert "not installed" in text and text == markdown(rows, args, "Machine: test.")
+    assert "Time to target" not in text  # no target was asked for
+    args.target_accuracy, args.eval_every, args.eval_samples = 0.7, 5, 0
+    assert ("first reaches 0.7, read every 5 steps on the whole test set"
+            in markdown(rows, args, "Machine: test."))
     for name in ("t-step-time.png", "t-accuracy.png", "t-bytes.png"):
         assert (tmp_path / name).stat().st_size > 1000 and str(tmp_path / name) in paths
 
