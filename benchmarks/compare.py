@@ -21,6 +21,10 @@ data (Fashion-MNIST, IID, the same seeds) and the same step budget, one system a
 * ``dgt-NAME``      -- dgt with extra settings, defined by ``--variant NAME:DGT_X=1,DGT_Y=2``,
   so that several dgt settings meet the same baseline in one run.
 
+``--cross-traffic MBIT`` adds another tenant's load for the whole run: an open-loop UDP flow
+of MBIT Mbit/s into and out of every node of the job (``benchmarks/crosstraffic.py``), at IP
+precedence ``--cross-precedence`` (0, best effort, by default), the same for every system.
+
 Each run is a real training job (``examples/train_<model>.py``) with the server in its own
 namespace and each worker in its own.  Reported per system and model: median and p90 step time,
 throughput, bytes through the server's link per step (kernel interface counters), UDP loss
@@ -138,6 +142,12 @@ def server_hosts(args) -> List[str]:
     if getattr(args, "colocate", False):
         return [f"worker{i}" for i in range(args.servers)]
     return server_nodes(args.servers)
+
+
+def job_nodes(args) -> List[str]:
+    """Every node a job's processes run on (the ones the background load goes through)."""
+    workers = [f"worker{r}" for r in range(args.workers)]
+    return [node for node in server_hosts(args) if node not in workers] + workers
 
 
 def measured_links(system: str, args) -> List[str]:
@@ -348,6 +358,11 @@ def markdown(rows: List[Row], args, machine: str) -> str:
     def settings(env):
         return " ".join(f"{var}={value}" for var, value in env.items())
 
+    if getattr(args, "cross_traffic", 0.0):
+        lines.append(f"Background load: {args.cross_traffic:g} Mbit/s of open-loop UDP into and "
+                     f"out of every node of the job, at IP precedence "
+                     f"{getattr(args, 'cross_precedence', 0)}, for every system; its bytes are "
+                     "not in MB/step nor in the lower bound.")
     if getattr(args, "dgt_env", None):
         lines.append(f"Every dgt run: {settings(args.dgt_env)}.")
     for name, env in getattr(args, "variants", {}).items():
@@ -459,6 +474,13 @@ def main(argv=None) -> int:
     parser.add_argument("--two-bit-threshold", type=float, default=0.5,
                         help="dist_sync_2bit's threshold (MXNet's default 0.5)")
     parser.add_argument("--rate", type=float, default=1000.0, help="link rate, Mbit/s")
+    parser.add_argument("--cross-traffic", type=float, default=0.0, metavar="MBIT",
+                        help="background load: an open-loop UDP flow of MBIT Mbit/s into and "
+                             "out of every node of the job, for every system alike (0: none)")
+    parser.add_argument("--cross-precedence", type=int, default=0,
+                        help="IP precedence of the background load, 0 (best effort, the "
+                             "class of MXNet's and Horovod's traffic) .. 3 (dgt's reliable "
+                             "channel's)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -482,6 +504,12 @@ def main(argv=None) -> int:
     if args.colocate and not 1 <= args.servers <= args.workers:
         parser.error(f"--colocate needs 1 <= --servers <= --workers (got --servers "
                      f"{args.servers}, --workers {args.workers})")
+    if not 0 <= args.cross_traffic <= args.rate:
+        parser.error(f"--cross-traffic {args.cross_traffic:g} is out of range: allowed "
+                     f"0..{args.rate:g} (--rate)")
+    if not 0 <= args.cross_precedence <= 3:
+        parser.error(f"--cross-precedence {args.cross_precedence} is out of range: allowed "
+                     "0..3 (the testbed's precedence levels)")
     if not args.two_bit_threshold > 0:  # refused here, not by the 2-bit job after set-up
         parser.error(f"--two-bit-threshold {args.two_bit_threshold:g} is out of range: "
                      "allowed > 0")
@@ -504,7 +532,9 @@ def main(argv=None) -> int:
     # rendezvous run there (control traffic only).
     nodes = server_nodes(1 if args.colocate else args.servers) + \
         [f"worker{r}" for r in range(args.workers)]
-    with Testbed(nodes, rate_mbit=args.rate) as bed:
+    with Testbed(nodes, rate_mbit=args.rate, cross_precedence=args.cross_precedence) as bed:
+        if args.cross_traffic:
+            bed.start_cross_traffic(job_nodes(args), args.cross_traffic)
         for model in args.models.split(","):
             compute = measure_compute(model, args.batch_size)
             print(f"{model}: compute {fmt(compute)} s/step (one process, no communication)",

@@ -15,7 +15,12 @@ server's incast builds up) with HTB at ``rate_mbit``:
   since senders hand the kernel 64 KB GSO/TSO super-packets), so under congestion the kernel drops
   there -- real loss, as in a switch with priority queues;
 * everything else (precedence 0: ARP, MXNet's and Horovod's unmarked TCP) lands in the lowest
-  class, which still gets the whole link when it is alone.
+  class, which still gets the whole link when it is alone;
+* optional background load (:meth:`Testbed.start_cross_traffic`, ``benchmarks/crosstraffic.py``):
+  an open-loop UDP flow into and out of every loaded node, queued in a class of its own with
+  the priority and queue length of its precedence (``cross_precedence``, best effort by
+  default), as another tenant's traffic would be.  Its bytes are counted in that class and
+  left out of :meth:`Testbed.link_bytes`, so the job's bytes stay the job's.
 
 Set-up and teardown are one context manager; teardown always runs (``finally`` and SIGTERM/
 SIGINT) and deletes the namespaces and the bridge, which takes the veths and qdiscs with them.
@@ -35,9 +40,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from benchmarks.crosstraffic import DISCARD_PORT
+
 __all__ = ["Testbed", "available", "TestbedUnavailable"]
 
 MTU_FRAME_BYTES = 1514
+CROSS_CLASS = "1:30"  # the background load's own HTB class on every shaped device
+HTB_QUANTUM_BYTES = 100_000  # > a 64 KB GSO/TSO packet, < HTB's 200 000 ceiling
 NETNS_ETC = "/etc/netns"  # per-namespace /etc files that `ip netns exec` mounts
 
 
@@ -93,9 +102,16 @@ class Testbed:
     low_queue_packets: int = 100
     high_queue_packets: int = 1000
     subnet: str = "10.213.77"  # private, testbed-only addresses: <subnet>.<1..>
+    cross_precedence: int = 0  # IP precedence of the background load, 0..udp_channels
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
     addresses: Dict[str, str] = field(default_factory=dict)
     _up: bool = False
+    _cross: List[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cross_precedence <= self.udp_channels:
+            raise ValueError(f"cross_precedence must be within 0..{self.udp_channels} (the "
+                             f"precedence levels of the classes), got {self.cross_precedence}")
 
     # -- naming -------------------------------------------------------------------------------
     def netns(self, node: str) -> str:
@@ -177,25 +193,60 @@ class Testbed:
              str(lowest), "r2q", "100")
         _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
              "rate", rate, "ceil", rate)
-        for level in range(levels):  # level 0 = reliable channel = highest priority
-            classid = f"1:{10 + level}"
-            precedence = self.udp_channels - level
+        def leaf(classid: str, level: int, handle: str) -> None:
             assured = rate if level == 0 else "1mbit"
+            # Classes of one priority (a level and the background load) share what they
+            # borrow round-robin, one quantum per turn: a quantum above the largest GSO/TSO
+            # packet makes that share fair in bytes, not in packets.
             _run(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", classid, "htb",
-                 "rate", assured, "ceil", rate, "prio", str(min(level, 7)))
+                 "rate", assured, "ceil", rate, "prio", str(min(level, 7)),
+                 "quantum", str(HTB_QUANTUM_BYTES))
             # A byte limit, not a packet one: senders hand the kernel GSO/TSO super-packets of
             # up to 64 KB, and a packet-counted queue would hold 40x more data than intended.
             queue = self.high_queue_packets if level == 0 else self.low_queue_packets
-            _run(*tc, "qdisc", "add", "dev", dev, "parent", classid, "handle", f"{20 + level}:",
+            _run(*tc, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle,
                  "bfifo", "limit", str(queue * MTU_FRAME_BYTES))
-            _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+
+        for level in range(levels):  # level 0 = reliable channel = highest priority
+            classid = f"1:{10 + level}"
+            precedence = self.udp_channels - level
+            leaf(classid, level, f"{20 + level}:")
+            _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "2",
                  "u32", "match", "ip", "tos", f"{precedence << 5:#04x}", "0xe0",
                  "flowid", classid)
+        # The background load, matched on its port before the TOS filters: the priority of
+        # its precedence, but a queue apart, so that its bytes can be told from the job's.
+        leaf(CROSS_CLASS, self.udp_channels - self.cross_precedence, "30:")
+        _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", "match", "ip", "protocol", "17", "0xff", "match", "ip", "dport",
+             str(DISCARD_PORT), "0xffff", "flowid", CROSS_CLASS)
+
+    def start_cross_traffic(self, nodes: List[str], rate_mbit: float) -> None:
+        """Load every link of ``nodes`` with ``rate_mbit`` of background traffic in each
+        direction until teardown: the nodes form a ring, each sending one open-loop flow to
+        the next (``benchmarks/crosstraffic.py``)."""
+        if len(nodes) < 2 or not set(nodes) <= set(self.nodes):
+            raise ValueError(f"cross traffic needs two or more of the testbed's nodes "
+                             f"{self.nodes}, got {nodes}")
+        if not 0 < rate_mbit <= self.rate_mbit:
+            raise ValueError(f"cross traffic rate must be within (0, {self.rate_mbit:g}] "
+                             f"Mbit/s (the link rate), got {rate_mbit:g}")
+        for index, node in enumerate(nodes):
+            peer = self.addresses[nodes[(index + 1) % len(nodes)]]
+            self._cross.append(subprocess.Popen(
+                self.exec_prefix(node) + [sys.executable, "-m", "benchmarks.crosstraffic",
+                                          "--peer", peer, "--rate-mbit", str(rate_mbit),
+                                          "--precedence", str(self.cross_precedence)],
+                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                stdout=subprocess.DEVNULL))
 
     def teardown(self) -> None:
         if not self._up:
             return
         self._up = False
+        for proc in self._cross:
+            proc.kill()
+            proc.wait()
         for node in self.nodes:
             pids = _run("ip", "netns", "pids", self.netns(node), check=False).stdout.split()
             for pid in pids:
@@ -209,27 +260,41 @@ class Testbed:
 
     # -- measurements -------------------------------------------------------------------------
     def link_bytes(self, node: str) -> Dict[str, int]:
-        """Bytes the node received (``rx``) and sent (``tx``) so far, from the bridge side."""
+        """Bytes the node received (``rx``) and sent (``tx``) so far, from the bridge side,
+        without the background load's (:meth:`cross_bytes`)."""
         base = f"/sys/class/net/{self.bridge_side(node)}/statistics"
         with open(f"{base}/tx_bytes") as f:
             received = int(f.read())
         with open(f"{base}/rx_bytes") as f:
             sent = int(f.read())
-        return {"rx": received, "tx": sent}
+        cross = self.cross_bytes(node)
+        return {"rx": received - cross["rx"], "tx": sent - cross["tx"]}
+
+    def cross_bytes(self, node: str) -> Dict[str, int]:
+        """Background-load bytes the node's link carried so far: ``rx`` towards the node
+        (sent by its bridge-side queue), ``tx`` from it (sent by its own ``e0`` queue)."""
+        towards = _class_stats([], self.bridge_side(node)).get(CROSS_CLASS, {})
+        away = _class_stats(self.exec_prefix(node), "e0").get(CROSS_CLASS, {})
+        return {"rx": towards.get("bytes", 0), "tx": away.get("bytes", 0)}
 
     def class_drops(self, node: str) -> Dict[str, Dict[str, int]]:
         """Per-class sent bytes and drops on the node's incoming link (bridge side)."""
-        text = _run("tc", "-s", "class", "show", "dev", self.bridge_side(node)).stdout
-        out, current = {}, None
-        for line in text.splitlines():
-            words = line.split()
-            if words[:2] == ["class", "htb"]:
-                current = words[2]
-            elif words[:1] == ["Sent"] and current:
-                where = [i for i, w in enumerate(words) if w.strip("(") == "dropped"][0]
-                dropped = int(words[where + 1].rstrip(","))
-                out[current] = {"bytes": int(words[1]), "dropped": dropped}
-        return out
+        return _class_stats([], self.bridge_side(node))
+
+
+def _class_stats(prefix: List[str], dev: str) -> Dict[str, Dict[str, int]]:
+    """``{classid: {"bytes": sent, "dropped": packets}}`` of the HTB classes on ``dev``."""
+    text = _run(*prefix, "tc", "-s", "class", "show", "dev", dev).stdout
+    out, current = {}, None
+    for line in text.splitlines():
+        words = line.split()
+        if words[:2] == ["class", "htb"]:
+            current = words[2]
+        elif words[:1] == ["Sent"] and current:
+            where = [i for i, w in enumerate(words) if w.strip("(") == "dropped"][0]
+            dropped = int(words[where + 1].rstrip(","))
+            out[current] = {"bytes": int(words[1]), "dropped": dropped}
+    return out
 
 
 def _measure_demo(rate: float) -> int:

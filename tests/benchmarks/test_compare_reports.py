@@ -110,3 +110,26 @@ def test_a_bad_two_bit_threshold_is_refused_before_any_set_up(threshold, capsys)
     with pytest.raises(SystemExit):
         compare.main(["--two-bit-threshold", threshold])
     assert "--two-bit-threshold" in capsys.readouterr().err
+
+
+def test_the_background_load_runs_through_every_node_of_the_job_and_is_stated(tmp_path):
+    from benchmarks.compare import job_nodes
+    own = argparse.Namespace(servers=1, workers=2, colocate=False)
+    shared = argparse.Namespace(servers=2, workers=2, colocate=True)
+    assert job_nodes(own) == ["server", "worker0", "worker1"]
+    assert job_nodes(shared) == ["worker0", "worker1"]  # the scheduler's node carries no data
+    args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
+                              results_dir=str(tmp_path))
+    assert "Background load" not in markdown([], args, "M.")
+    args.cross_traffic, args.cross_precedence = 300.0, 0
+    assert ("Background load: 300 Mbit/s of open-loop UDP into and out of every node of the "
+            "job, at IP precedence 0" in markdown([], args, "M."))
+
+
+@pytest.mark.parametrize("flags", [["--cross-traffic", "-1"],
+                                   ["--rate", "250", "--cross-traffic", "300"],
+                                   ["--cross-traffic", "100", "--cross-precedence", "4"]])
+def test_a_bad_background_load_is_refused_before_any_set_up(flags, capsys):
+    with pytest.raises(SystemExit):
+        compare.main(flags)
+    assert "--cross-" in capsys.readouterr().err

@@ -144,3 +144,36 @@ def test_a_hostfile_job_spans_the_testbeds_nodes():
             # Half the parts live on the other node's server: they crossed the shaped link.
             assert f"rank {rank} on {bed.addresses[node]} sum 3.0 3.0" in proc.stdout, proc.stdout
             assert bed.link_bytes(node)["rx"] > 300000 * 4 // 2
+
+
+def test_background_load_takes_its_share_from_best_effort_not_from_the_reliable_class():
+    """Open-loop cross traffic at best effort: a best-effort TCP flow gets what the load
+    leaves of the link, one marked as dgt's reliable channel gets the whole link, and the
+    load's bytes are counted apart from the job's."""
+    with Testbed(["a", "b"], rate_mbit=50, udp_channels=3) as bed:
+        bed.start_cross_traffic(["a", "b"], 20)
+        time.sleep(1.0)
+        job_before, cross_before = bed.link_bytes("b"), bed.cross_bytes("b")
+        started = time.time()
+        best_effort = tcp_transfer(bed, 4, tos=0)
+        reliable = tcp_transfer(bed, 6, tos=3 << 5)
+        elapsed = time.time() - started
+        job_after, cross_after = bed.link_bytes("b"), bed.cross_bytes("b")
+    assert 20 <= best_effort <= 38, f"best effort got {best_effort:.1f} of 50 - 20 Mbit/s"
+    assert reliable > 42, f"the reliable class got only {reliable:.1f} Mbit/s beside the load"
+    cross_mbit = (cross_after["rx"] - cross_before["rx"]) * 8 / elapsed / 1e6
+    assert 3 < cross_mbit <= 21, cross_mbit  # the load, squeezed while the reliable flow ran
+    assert cross_after["tx"] > cross_before["tx"]  # b's own flow to a left on b's link
+    # 10 MiB of TCP payload plus headers: the load's bytes are not counted as the job's.
+    job = job_after["rx"] - job_before["rx"]
+    assert 10.4e6 <= job <= 11.6e6, job
+
+
+def test_background_load_is_refused_out_of_range():
+    with pytest.raises(ValueError, match="cross_precedence must be within 0..3"):
+        Testbed(["a", "b"], cross_precedence=4)
+    with Testbed(["a", "b"], rate_mbit=50) as bed:
+        with pytest.raises(ValueError, match=r"within \(0, 50\] Mbit/s"):
+            bed.start_cross_traffic(["a", "b"], 80)
+        with pytest.raises(ValueError, match="two or more"):
+            bed.start_cross_traffic(["a"], 10)
