@@ -59,7 +59,8 @@ SYSTEMS = ("dgt", "dgt-reliable", "dist_sync", "dist_sync_2bit", "dist_sync_p3",
            "horovod_fp16")
 HOROVOD_SYSTEMS = ("horovod", "horovod_fp16")
 COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "step_time_p90_s",
-           "throughput_samples_s", "bytes_per_step", "udp_loss_rate", "time_to_target_s",
+           "throughput_samples_s", "bytes_per_step", "channel_bytes_per_step", "udp_loss_rate",
+           "time_to_target_s",
            "final_accuracy", "compute_s", "lower_bound_s", "worker_cpu_ms", "server_cpu_ms",
            "status")
 
@@ -85,6 +86,9 @@ class Row:
     worker_cpu_ms: Optional[float] = None
     server_cpu_ms: Optional[float] = None
     status: str = "ok"
+    # dgt's own count (its statistics, not the kernel's): payload bytes worker 0 pushed per
+    # step on each channel, TCP first, then UDP channels 1..C.  Empty for the other systems.
+    channel_bytes_per_step: Optional[List[float]] = None
 
 
 # -- measuring one run ------------------------------------------------------------------------
@@ -105,7 +109,11 @@ def summarise_curve(path: str, target: float, warmup: int) -> dict:
            "final_accuracy": evals[-1]["accuracy"] if evals else None,
            "udp_loss_rate": summary.get("udp_loss_rate"),
            "worker_cpu_ms": summary.get("dgt_cpu_ms_per_step"),
-           "accuracy_curve": [(e["train_time_s"], e["accuracy"]) for e in evals]}
+           "accuracy_curve": [(e["train_time_s"], e["accuracy"]) for e in evals],
+           "channel_bytes_per_step": None}
+    counted = summary.get("dgt_steps", out["steps"])  # the steps dgt's totals cover
+    if summary.get("bytes_per_channel") and counted:
+        out["channel_bytes_per_step"] = [b / counted for b in summary["bytes_per_channel"]]
     if times:
         ordered = sorted(times)
         out["step_time_s"] = statistics.median(times)
@@ -296,6 +304,7 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     row.udp_loss_rate = measured["udp_loss_rate"]
     row.time_to_target_s = measured["time_to_target_s"]
     row.worker_cpu_ms = measured["worker_cpu_ms"]
+    row.channel_bytes_per_step = measured["channel_bytes_per_step"]
     if system.startswith("dgt"):
         with open(log_path, encoding="utf-8", errors="replace") as log:
             own_cpu_s = own_cpu_from_log(log.read())
@@ -329,7 +338,11 @@ def write_reports(rows: List[Row], args, machine: str) -> List[str]:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: v for k, v in asdict(row).items() if k in COLUMNS})
+            values = {k: v for k, v in asdict(row).items() if k in COLUMNS}
+            if row.channel_bytes_per_step:
+                values["channel_bytes_per_step"] = ";".join(
+                    f"{b:.0f}" for b in row.channel_bytes_per_step)
+            writer.writerow(values)
     md_path = os.path.join(results, f"{args.name}.md")
     with open(md_path, "w") as f:
         f.write(markdown(rows, args, machine))
@@ -370,9 +383,10 @@ def markdown(rows: List[Row], args, machine: str) -> str:
     if any(r.system == "dist_sync_2bit" for r in rows):
         lines.append(f"`dist_sync_2bit`: threshold {getattr(args, 'two_bit_threshold', 0.5):g}.")
     lines += ["", "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
-              "(server links) | UDP loss | time to target s | final acc | lower bound s | "
+              "(server links) | dgt's count: MB/step worker 0 pushed per channel (TCP; UDP 1..C) "
+              "| UDP loss | time to target s | final acc | lower bound s | "
               "dgt CPU ms/step: worker, server (% of step) | status |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
     for r in rows:
         ratio = (r.step_time_s / base[r.model]) if r.step_time_s and base.get(r.model) else None
@@ -380,10 +394,17 @@ def markdown(rows: List[Row], args, machine: str) -> str:
             f"| {r.model} | {r.system} | {fmt(r.step_time_s)} | {fmt(r.step_time_p90_s)} | "
             f"{fmt(ratio, 2)} | {fmt(r.throughput_samples_s, 1)} | "
             f"{fmt(r.bytes_per_step / 1e6 if r.bytes_per_step else None, 1)} | "
+            f"{channel_cell(r)} | "
             f"{fmt(r.udp_loss_rate * 100 if r.udp_loss_rate is not None else None, 1)}"
             f"{'%' if r.udp_loss_rate is not None else ''} | {fmt(r.time_to_target_s, 1)} | "
             f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {cpu_cell(r)} | {r.status} |")
     return "\n".join(lines) + "\n"
+
+
+def channel_cell(row: Row) -> str:
+    if not row.channel_bytes_per_step:
+        return "-"
+    return "; ".join(f"{b / 1e6:.1f}" for b in row.channel_bytes_per_step)
 
 
 def cpu_cell(row: Row) -> str:
@@ -442,11 +463,26 @@ def plot(rows: List[Row], args) -> List[str]:
         ax.grid(alpha=0.3)
         ax.legend()
     save(fig, "accuracy")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, by_channel) = plt.subplots(1, 2, figsize=(12, 4))
     labels = [f"{r.model}\n{r.system}" for r in rows if r.bytes_per_step]
     ax.bar(labels, [r.bytes_per_step / 1e6 for r in rows if r.bytes_per_step], color="#55a868")
-    ax.set_ylabel("MB per step through the server link (both directions)")
+    ax.set_ylabel("MB per step through the server links")
+    ax.set_title("kernel interface counters (both directions)")
     ax.tick_params(axis="x", rotation=45, labelsize=7)
+    dgt_rows = [r for r in rows if r.channel_bytes_per_step]
+    channels = max((len(r.channel_bytes_per_step) for r in dgt_rows), default=0)
+    bottoms = [0.0] * len(dgt_rows)
+    for channel in range(channels):
+        heights = [(r.channel_bytes_per_step[channel] if channel < len(r.channel_bytes_per_step)
+                    else 0.0) / 1e6 for r in dgt_rows]
+        by_channel.bar([f"{r.model}\n{r.system}" for r in dgt_rows], heights, bottom=bottoms,
+                       label="TCP" if channel == 0 else f"UDP {channel}")
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    by_channel.set_ylabel("MB per step")
+    by_channel.set_title("dgt's count: worker 0's pushes per channel")
+    by_channel.tick_params(axis="x", rotation=45, labelsize=7)
+    if dgt_rows:
+        by_channel.legend()
     save(fig, "bytes")
     return written
 

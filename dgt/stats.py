@@ -2,7 +2,9 @@
 
 One record per worker per *step*, where a step is one round over the keys (it starts when the
 first key the worker ever pushed is pushed again).  Counts are datagrams for UDP and blocks for
-the split; bytes are gradient payload bytes, headers excluded.
+the split; bytes are gradient payload bytes, headers excluded.  A step is recorded once the
+next one has begun *and* every push it made has been answered (or failed): MXNet's engine lets
+the training loop begin the next step while this one's pushes still run.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class StepStats:
     # copying into the result.  Compare with the step time for dgt's overhead.
     cpu_ms: float = 0.0
     keys: int = 0
+    # Bookkeeping, not written: pushes and replies of this step still to be counted.
+    _inflight: int = 0
 
     def __post_init__(self):
         if not self.bytes_per_channel:
@@ -46,7 +50,8 @@ class StepStats:
             self.blocks_per_channel = [0] * (self.channels + 1)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        record = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        return json.dumps(record, separators=(",", ":"))
 
 
 class JsonLinesSink:

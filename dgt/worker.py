@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 import math
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import zmq
@@ -213,6 +214,7 @@ class Worker:
         self._round_key: Optional[int] = None
         self._round = -1
         self._stats: Optional[StepStats] = None
+        self._sealed: Deque[StepStats] = deque()  # begun steps still counting, oldest first
         self.last_stats: Optional[StepStats] = None  # the last finished step
         self.totals = {"steps": 0, "bytes_per_channel": [0] * (config.udp_channels + 1),
                        "udp_expected": 0, "udp_merged": 0, "udp_lost": 0, "udp_late": 0,
@@ -241,7 +243,11 @@ class Worker:
 
         A *step* (for statistics and the adaptive threshold) starts each time the first key
         ever pushed comes again.  Call this from the thread that issues the pushes in program
-        order; :meth:`pushpull` may then run on any thread.  Returns the step's statistics.
+        order; :meth:`pushpull` may then run on any thread.  Returns the step's statistics:
+        hand them to the :meth:`pushpull` of this key, which counts its bytes, CPU and replies
+        there.  Each call is also a ticket that pushpull redeems once it has counted its push
+        (``begun`` of them for a push that stands for several begun keys): a step is recorded
+        when the next one has begun and its tickets and replies are all in.
         """
         with self._round_lock:
             if self._round_key is None:
@@ -254,10 +260,12 @@ class Worker:
                 self._round += 1
                 self._stats = StepStats(self._round, self.rank, self._threshold.k,
                                         self.config.udp_channels, time.time())
-            return self._stats
+            stats = self._stats
+        self._hold(stats)
+        return stats
 
     def pushpull(self, key: int, flat: np.ndarray, step_stats: Optional[StepStats] = None,
-                 out: Optional[np.ndarray] = None, priority: int = 0) -> Pending:
+                 out: Optional[np.ndarray] = None, priority: int = 0, begun: int = 1) -> Pending:
         """Push ``flat`` (this worker's gradient of ``key``) and get the merged result.
 
         Thread-safe.  ``step_stats`` is what :meth:`begin` returned for this push (it is
@@ -265,12 +273,21 @@ class Worker:
         the result is ready.  The result lands in ``out`` (flat, same size and dtype) when
         given, else in an array the key's next pushpull reuses: copy it if you keep it longer.
         ``priority`` is MXNet's (higher: sent and answered sooner, see ``DGT_PRIORITY_ORDER``).
+        ``begun``: how many :meth:`begin` calls with ``step_stats`` this push stands for (the
+        members of a fused bucket).
         """
-        self._check_usable()
         cpu_began = time.thread_time()  # CPU only: the waits below do not count
-        flat = self._as_flat(flat)
         if step_stats is None:
-            step_stats = self.begin(key)
+            step_stats, begun = self.begin(key), 1
+        try:
+            self._check_usable()
+            return self._pushpull(key, self._as_flat(flat), step_stats, out, priority,
+                                  cpu_began)
+        finally:
+            self._release(step_stats, begun)
+
+    def _pushpull(self, key: int, flat: np.ndarray, step_stats: Optional[StepStats],
+                  out: Optional[np.ndarray], priority: int, cpu_began: float) -> Pending:
         plan = self._plan(key, flat)
         if plan.last is not None and not plan.last.done():
             plan.last.wait()  # steps of one key are strictly ordered
@@ -422,6 +439,8 @@ class Worker:
                        PRIORITY_LAST)  # after every message still queued
         self._links.close()  # hands over what is queued, the BYEs last
         self._udp.close()
+        with self._stats_lock:  # replies still owed will not come now
+            self._record_counted(everything=True)
         if self._sink is not None:
             self._sink.close()
 
@@ -452,6 +471,7 @@ class Worker:
         scratch = self._scratch(ident, values, wire_dtype)
         if not differential:
             self._register(("push", key, part.index, step), inflight)
+            self._hold(stats)  # until its reply is counted (or it fails)
             header = base._replace(flags=FLAG_ALL_RELIABLE, block=blocks.n_blocks)
             everything = np.arange(blocks.n_blocks)
             payload = self._to_wire(values, scratch)
@@ -486,6 +506,7 @@ class Worker:
         wire_values = self._to_wire(values, scratch)
         payload = blocks.gather(wire_values, reliable, out=scratch.gathered)
         self._register(("push", key, part.index, step), inflight)
+        self._hold(stats)  # until its reply is counted (or it fails)
         self._send(part.server, [encode_header(header), reliable, *score_frames,
                                  *split_blocks(blocks, reliable, payload)], priority)
         self._count(stats, 0, len(reliable), payload.nbytes)
@@ -676,9 +697,32 @@ class Worker:
 
     # == statistics and adaptive threshold ====================================================
     def _finish_round(self) -> None:
+        """The current step takes no new push; it is recorded once its pushes are counted."""
         stats, self._stats = self._stats, None
         if stats is None:
             return
+        with self._stats_lock:
+            self._sealed.append(stats)
+            self._record_counted()
+
+    def _hold(self, stats: Optional[StepStats]) -> None:
+        if stats is not None:
+            with self._stats_lock:
+                stats._inflight += 1
+
+    def _release(self, stats: Optional[StepStats], count: int = 1) -> None:
+        if stats is not None:
+            with self._stats_lock:
+                stats._inflight -= count
+                self._record_counted()
+
+    def _record_counted(self, everything: bool = False) -> None:
+        """Record the sealed steps whose pushes are all counted, in step order (all of them
+        when ``everything``: at close, when no reply can come any more).  Holds _stats_lock."""
+        while self._sealed and (everything or self._sealed[0]._inflight <= 0):
+            self._record(self._sealed.popleft())
+
+    def _record(self, stats: StepStats) -> None:
         self.last_stats = stats
         totals = self.totals
         totals["steps"] += 1
@@ -743,6 +787,7 @@ class Worker:
             entry = entry or self._pop(("ack", 0, 0, header.step))
             if entry is not None:
                 entry.pending._fail(error)
+                self._release(entry.stats)
             else:
                 self._fail_all(error)
         elif mtype is MsgType.BYE:
@@ -757,6 +802,12 @@ class Worker:
         if entry is None:
             self._fail_all(RemoteProtocolError(f"reply for an unknown push: {header.debug_str()}"))
             return
+        try:
+            self._take_reply(entry, header, frames, cpu_began)
+        finally:
+            self._release(entry.stats)
+
+    def _take_reply(self, entry: _Inflight, header: Header, frames, cpu_began: float) -> None:
         if len(frames) < 2:
             entry.pending._fail(RemoteProtocolError(f"short reply: {header.debug_str()}"))
             return
@@ -863,6 +914,7 @@ class Worker:
             entry.pending._fail(StepTimeout(
                 f"{entry.pending.what}: server {entry.part.server} did not answer within "
                 f"{limit:g} s (DGT_TIMEOUT_S)"))
+            self._release(entry.stats)
 
     def _fail_all(self, error: BaseException) -> None:
         self._fatal = error
@@ -871,4 +923,5 @@ class Worker:
             self._inflight.clear()
         for entry in entries:
             entry.pending._fail(error)
+            self._release(entry.stats)
 

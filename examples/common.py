@@ -332,7 +332,9 @@ def train(model: str, argv=None) -> dict:
     counters = dgt_counters(kv)
     if counters:
         expected = counters["udp_expected"]
+        # The counters cover the steps dgt has recorded (the last one is recorded at close).
         summary.update(bytes_per_channel=counters["bytes_per_channel"],
+                       dgt_steps=counters["steps"],
                        udp_loss_rate=(counters["udp_lost"] / expected) if expected else 0.0,
                        dgt_cpu_ms_per_step=counters["cpu_ms"] / max(counters["steps"], 1))
     if args.save_params:

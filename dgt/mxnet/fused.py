@@ -172,8 +172,11 @@ class Fuser:
         result = np.empty(bucket.n_elems, dtype=buffers.send_host.dtype)
         try:
             if complete:
+                # One push for every member's begin(): the members are consecutive keys of
+                # one step, so their begin() calls returned the same statistics.
                 pendings = [self._worker.pushpull(bucket.key, buffers.send_host, round_.stats,
-                                                  out=result, priority=round_.priority)]
+                                                  out=result, priority=round_.priority,
+                                                  begun=len(round_.collected))]
             else:  # only the members that came are copied out of this round
                 offsets = bucket.offsets
                 pendings = [self._worker.pushpull(

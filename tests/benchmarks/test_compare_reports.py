@@ -20,7 +20,7 @@ def recorded_curve(path, step_s, accuracy_at):
             lines.append({"event": "eval", "step": step, "train_time_s": step * step_s,
                           "time_s": step * step_s, "accuracy": accuracy_at[step]})
     lines.append({"event": "summary", "steps": 10, "udp_loss_rate": 0.25,
-                  "dgt_cpu_ms_per_step": 12.5})
+                  "dgt_cpu_ms_per_step": 12.5, "bytes_per_channel": [8e6, 1e6, 5e5, 5e5]})
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
 
 
@@ -31,6 +31,11 @@ def test_summarise_curve_measures_steps_and_time_to_target(tmp_path):
     assert out["step_time_s"] == pytest.approx(0.5) and out["step_time_p90_s"] == pytest.approx(0.5)
     assert out["time_to_target_s"] == pytest.approx(5.0) and out["final_accuracy"] == 0.7
     assert out["udp_loss_rate"] == 0.25 and out["worker_cpu_ms"] == 12.5
+    assert out["channel_bytes_per_step"] == [8e5, 1e5, 5e4, 5e4]  # run totals / 10 steps
+    with open(curve, "a") as f:  # dgt's totals covered 8 steps: the bytes are theirs
+        f.write(json.dumps({"event": "summary", "steps": 10, "dgt_steps": 8,
+                            "bytes_per_channel": [8e6, 0, 0, 0]}) + "\n")
+    assert summarise_curve(str(curve), 0.6, 3)["channel_bytes_per_step"] == [1e6, 0, 0, 0]
     assert summarise_curve(str(curve), target=0.9, warmup=3)["time_to_target_s"] is None
 
 
@@ -40,7 +45,8 @@ def test_reports_are_written_with_every_column(tmp_path):
     recorded_curve(tmp_path / "t-alexnet-dgt.jsonl", 0.4, {5: 0.5, 10: 0.8})
     recorded_curve(tmp_path / "t-alexnet-dist_sync.jsonl", 0.8, {5: 0.5, 10: 0.8})
     rows = [Row("dgt", "alexnet", 2, 1000.0, 10, 0.4, 0.45, 160.0, 150e6, 0.1, 2.0, 0.8, 0.2,
-                1.2, worker_cpu_ms=20.0, server_cpu_ms=40.0),
+                1.2, worker_cpu_ms=20.0, server_cpu_ms=40.0,
+                channel_bytes_per_step=[60e6, 5e6, 4.5e6, 4e6]),
             Row("dist_sync", "alexnet", 2, 1000.0, 10, 0.8, 0.9, 80.0, 320e6, None, 4.0, 0.8,
                 0.2, 2.6),
             Row("horovod", "alexnet", 2, 1000.0, status="not installed")]
@@ -49,8 +55,11 @@ def test_reports_are_written_with_every_column(tmp_path):
         table = list(csv.DictReader(f))
     assert list(table[0]) == list(COLUMNS) and len(table) == 3
     assert table[0]["system"] == "dgt" and float(table[0]["step_time_s"]) == 0.4
+    assert table[0]["channel_bytes_per_step"] == "60000000;5000000;4500000;4000000"
+    assert table[1]["channel_bytes_per_step"] == ""  # dist_sync: no per-channel count
     text = (tmp_path / "t.md").read_text()
     assert "| alexnet | dgt | 0.400 | 0.450 | 0.50 |" in text  # ratio vs dist_sync
+    assert "| 150.0 | 60.0; 5.0; 4.5; 4.0 | 10.0% |" in text  # kernel total, dgt's channels
     assert "| 20.0 (5.0 %), 40.0 (10.0 %) | ok |" in text  # dgt's CPU and its share of 0.4 s
     assert "| 2.600 | - | ok |" in text  # no dgt CPU for dist_sync
     assert "not installed" in text and text == markdown(rows, args, "Machine: test.")

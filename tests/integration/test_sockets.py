@@ -221,6 +221,40 @@ def test_stats_are_written_as_json_lines(make_job, tmp_path):
     assert first["datagrams_injected_loss"] > 0 and first["udp_lost"] >= first["datagrams_injected_loss"]
 
 
+def test_a_step_keeps_the_counts_of_pushes_made_after_the_next_step_began(make_job, tmp_path):
+    """MXNet's engine lets the training loop run ahead: the next step's first key is begun
+    (in program order) while this step's pushes are still to run.  Their bytes, CPU and
+    replies still belong to this step, which is recorded once all of them are answered."""
+    n_elems, keys, steps = 8192, 2, 3
+    config, _ = make_job(2, threshold=0.5, adaptive=False, grace_ms=30,
+                         stats=str(tmp_path / "stats-{rank}.jsonl"))
+
+    def body(worker):
+        values = np.ones(n_elems, np.float32)
+        held = [(key, worker.begin(key)) for key in range(keys)]
+        for step in range(steps):
+            following = worker.begin(0) if step + 1 < steps else None  # seals `step`
+            for pending in [worker.pushpull(key, values, stats) for key, stats in held]:
+                pending.wait()
+            if following is not None:
+                held = [(0, following)] + [(key, worker.begin(key)) for key in range(1, keys)]
+        return worker
+
+    workers = run_workers(config, body, 2)
+    for rank in range(2):
+        records = [json.loads(line) for line in
+                   (tmp_path / f"stats-{rank}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(steps))
+        for record in records:  # every block travels on exactly one channel
+            assert sum(record["bytes_per_channel"]) == keys * n_elems * 4, record
+            assert record["keys"] == keys and record["cpu_ms"] > 0, record
+            assert record["bytes_per_channel"][1:] != [0, 0, 0], record  # k = 0.5: UDP too
+        totals = workers[rank].totals
+        assert totals["steps"] == steps
+        assert sum(totals["bytes_per_channel"]) == steps * keys * n_elems * 4
+        assert totals["udp_expected"] == sum(r["udp_expected"] for r in records) > 0
+
+
 def test_dgt_own_cpu_time_is_counted_per_step_on_workers_and_servers(make_job, tmp_path,
                                                                       caplog):
     caplog.set_level(logging.INFO, logger="dgt.server")
