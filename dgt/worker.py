@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
 import math
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
@@ -718,7 +718,8 @@ class Worker:
 
     def _record_counted(self, everything: bool = False) -> None:
         """Record the sealed steps whose pushes are all counted, in step order (all of them
-        when ``everything``: at close, when no reply can come any more).  Holds _stats_lock."""
+        when ``everything``: at close, when no reply can come any more).  Call it holding
+        _stats_lock."""
         while self._sealed and (everything or self._sealed[0]._inflight <= 0):
             self._record(self._sealed.popleft())
 
