@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from benchmarks.crosstraffic import DISCARD_PORT
+from benchmarks.crosstraffic import DISCARD_PORT, interface_bytes
 
 __all__ = ["Testbed", "available", "TestbedUnavailable"]
 
@@ -275,7 +275,8 @@ class Testbed:
         (sent by its bridge-side queue), ``tx`` from it (sent by its own ``e0`` queue)."""
         towards = _class_stats([], self.bridge_side(node)).get(CROSS_CLASS, {})
         away = _class_stats(self.exec_prefix(node), "e0").get(CROSS_CLASS, {})
-        return {"rx": towards.get("bytes", 0), "tx": away.get("bytes", 0)}
+        return {direction: interface_bytes(stats.get("bytes", 0), stats.get("packets", 0))
+                for direction, stats in (("rx", towards), ("tx", away))}
 
     def class_drops(self, node: str) -> Dict[str, Dict[str, int]]:
         """Per-class sent bytes and drops on the node's incoming link (bridge side)."""
@@ -283,7 +284,8 @@ class Testbed:
 
 
 def _class_stats(prefix: List[str], dev: str) -> Dict[str, Dict[str, int]]:
-    """``{classid: {"bytes": sent, "dropped": packets}}`` of the HTB classes on ``dev``."""
+    """``{classid: {"bytes": .., "packets": .., "dropped": ..}}`` sent and dropped by the HTB
+    classes on ``dev`` (a segmented packet counts as its segments)."""
     text = _run(*prefix, "tc", "-s", "class", "show", "dev", dev).stdout
     out, current = {}, None
     for line in text.splitlines():
@@ -293,7 +295,8 @@ def _class_stats(prefix: List[str], dev: str) -> Dict[str, Dict[str, int]]:
         elif words[:1] == ["Sent"] and current:
             where = [i for i, w in enumerate(words) if w.strip("(") == "dropped"][0]
             dropped = int(words[where + 1].rstrip(","))
-            out[current] = {"bytes": int(words[1]), "dropped": dropped}
+            out[current] = {"bytes": int(words[1]), "packets": int(words[3]),
+                            "dropped": dropped}
     return out
 
 
