@@ -19,7 +19,7 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["dgt", "dgt.*"]),
     python_requires=">=3.8",
-    install_requires=["numpy", "pyzmq>=26.4", "ml_dtypes"],
+    install_requires=["numpy", "pyzmq>=26.4", "ml_dtypes", "numba"],
     extras_require={
         # mxnet 1.9.1 imports only with numpy < 1.24 (np.bool was removed in 1.24).
         "mxnet": ["mxnet==1.9.1", "numpy<1.24"],

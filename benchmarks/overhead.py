@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dgt.config import Config  # noqa: E402
+from dgt.kernels import to_bfloat16  # noqa: E402
 from dgt.memory import ResidualMemory  # noqa: E402
 from dgt.merge import StepMerger  # noqa: E402
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
@@ -60,22 +61,19 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
             for rank in range(rank_count):
                 memory, scores, scratch = states[rank]
                 buffers = scratch.setdefault((key, part.index), (
-                    np.empty(part.n_elems, np.float32), np.empty(part.n_elems, wire),
-                    np.empty(part.n_elems, wire)))
+                    np.empty(part.n_elems, wire), np.empty(part.n_elems, wire)))
                 compensated = (memory.compensate((key, part.index), values)
                                if config.error_feedback else values)
                 if blocks.n_blocks > 1:
-                    s = score_blocks(scores, (key, part.index), blocks, compensated,
-                                     scratch=buffers[0])
+                    s = score_blocks(scores, (key, part.index), blocks, compensated)
                     channels = assign_channels(s, config.threshold, config.udp_channels)
                 else:
                     channels = np.zeros(1, dtype=np.uint8)
                 reliable = np.flatnonzero(channels == 0)
                 sent = compensated
                 if wire != compensated.dtype:
-                    sent = buffers[2]
-                    np.copyto(sent, compensated, casting="unsafe")
-                payload = blocks.gather(sent, reliable, out=buffers[1])
+                    sent = to_bfloat16(compensated, buffers[1])
+                payload = blocks.gather(sent, reliable, out=buffers[0])
                 udp = np.flatnonzero(channels)
                 slots = layout.slots_of_blocks(udp)
                 block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)

@@ -22,6 +22,8 @@ from typing import List, Optional
 
 import numpy as np
 
+from .kernels import blocks_into_
+
 __all__ = ["BlockLayout", "FragmentLayout", "Part", "plan_parts", "fragment_elems"]
 
 
@@ -156,7 +158,8 @@ class BlockLayout:
         Long runs of consecutive blocks are added as slices, one pass over memory; scattered
         blocks with one fancy-indexed add, which costs a gather and a scatter but no Python
         per run (each is 2x faster than the other at its end of the range)."""
-        if not len(blocks):
+        if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
+                                            payload, add=True):
             return
         breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
         if len(blocks) >= self._RUN_ADD_MIN_BLOCKS * (len(breaks) + 1):
@@ -176,7 +179,8 @@ class BlockLayout:
         """Write ``payload`` into ``padded`` at ``blocks`` (one fancy-indexed write: a
         single pass, as fast as slice copies for contiguous blocks and twice as fast for
         scattered ones)."""
-        if not len(blocks):
+        if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
+                                            payload, add=False):
             return
         rows, full, full_payload, last = self._rows(padded, blocks, payload)
         rows[full] = full_payload

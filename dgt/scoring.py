@@ -11,28 +11,20 @@ the ranking to rounding.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, Optional
+from typing import Dict, Hashable
 
 import numpy as np
 
+from .kernels import block_abs_sums
 from .partition import BlockLayout
 
 __all__ = ["ContributionState", "block_mean_abs", "score_blocks"]
 
 
-def block_mean_abs(layout: BlockLayout, flat: np.ndarray,
-                   scratch: Optional[np.ndarray] = None) -> np.ndarray:
-    """Mean |g| of every block, the last block averaged over its true length.
-
-    ``scratch``: a float32 array of ``flat``'s size to hold |g| (saves an allocation)."""
-    if scratch is None:
-        absolute = np.abs(flat.astype(np.float32, copy=False))
-    else:
-        absolute = np.abs(flat, out=scratch, casting="unsafe") if flat.dtype != np.float32 \
-            else np.abs(flat, out=scratch)
-    starts = np.arange(0, layout.n_elems, layout.block_elems)
-    sums = np.add.reduceat(absolute, starts)
-    return sums / layout.block_lengths.astype(np.float32)
+def block_mean_abs(layout: BlockLayout, flat: np.ndarray) -> np.ndarray:
+    """Mean |g| of every block, the last block averaged over its true length (one compiled
+    sweep over float32 gradients, see :mod:`dgt.kernels`)."""
+    return block_abs_sums(flat, layout.block_elems) / layout.block_lengths.astype(np.float32)
 
 
 class ContributionState:
@@ -54,9 +46,9 @@ class ContributionState:
 
 
 def score_blocks(state: ContributionState, key: Hashable, layout: BlockLayout,
-                 flat: np.ndarray, scratch: Optional[np.ndarray] = None) -> np.ndarray:
+                 flat: np.ndarray) -> np.ndarray:
     """Update and return the contribution of every block of ``flat`` under ``key``."""
-    current = block_mean_abs(layout, flat, scratch)
+    current = block_mean_abs(layout, flat)
     previous = state._scores.get(key)
     if previous is None or previous.shape != current.shape:
         previous = np.zeros_like(current)

@@ -28,6 +28,7 @@ import zmq
 
 from .config import Config
 from .errors import LocalProtocolError, PeerLost, RemoteProtocolError, StepTimeout
+from .kernels import to_bfloat16
 from .lossmodel import dropped_slots
 from .memory import ResidualMemory
 from .partition import BlockLayout, FragmentLayout, Part, fragment_elems, plan_parts
@@ -161,7 +162,6 @@ class _Inflight:
 @dataclass
 class _Scratch:
     compensated: np.ndarray
-    absolute: np.ndarray
     gathered: np.ndarray
     wire: Optional[np.ndarray] = None  # the part in the wire dtype, when that differs
 
@@ -482,7 +482,7 @@ class Worker:
         if cfg.error_feedback:
             values = self._memory.compensate(ident, values, out=scratch.compensated)
             inflight.compensated = values
-        scores = score_blocks(self._scores, ident, blocks, values, scratch=scratch.absolute)
+        scores = score_blocks(self._scores, ident, blocks, values)
         ranking = scores
         if cfg.shared_ranking:
             # Every worker ranks by the same sum (the last reply's), so all send the same
@@ -533,8 +533,7 @@ class Worker:
         """``values`` in the wire dtype (the same array when no cast is needed)."""
         if scratch.wire is None:
             return values
-        np.copyto(scratch.wire, values, casting="unsafe")  # bfloat16: round to nearest even
-        return scratch.wire
+        return to_bfloat16(values, scratch.wire)  # the only other wire dtype; nearest even
 
     def _scratch(self, ident, values: np.ndarray, wire_dtype: np.dtype) -> "_Scratch":
         """Per-part buffers reused every step: fresh arrays of this size would page-fault on
@@ -546,8 +545,7 @@ class Worker:
                 or scratch.compensated.dtype != values.dtype \
                 or scratch.gathered.dtype != wire_dtype:
             wire = None if wire_dtype == values.dtype else np.empty(values.shape, wire_dtype)
-            scratch = _Scratch(np.empty_like(values), np.empty(values.shape, np.float32),
-                               np.empty(values.shape, wire_dtype), wire)
+            scratch = _Scratch(np.empty_like(values), np.empty(values.shape, wire_dtype), wire)
             self._scratches[ident] = scratch
         return scratch
 

@@ -1,0 +1,91 @@
+"""The compiled kernels against the numpy expressions they replace."""
+import numpy as np
+import pytest
+
+from dgt.kernels import block_abs_sums, blocks_into_, to_bfloat16
+from dgt.partition import BlockLayout
+from dgt.wire import BFLOAT16
+
+
+def _numpy_block_abs_sums(flat, block_elems):
+    return np.add.reduceat(np.abs(flat.astype(np.float64)), np.arange(0, flat.size, block_elems))
+
+
+@pytest.mark.parametrize("n_elems,block_elems", [(1, 64), (64, 64), (2500, 1024), (3 * 1024, 1024),
+                                                 (100_003, 256)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_block_abs_sums_match_numpy(rng, n_elems, block_elems, dtype):
+    flat = rng.standard_normal(n_elems).astype(dtype)
+    sums = block_abs_sums(flat, block_elems)
+    assert sums.dtype == np.float32 and sums.shape == (-(-n_elems // block_elems),)
+    np.testing.assert_allclose(sums, _numpy_block_abs_sums(flat, block_elems), rtol=1e-5)
+
+
+def test_block_abs_sums_of_a_strided_view_take_the_numpy_path(rng):
+    flat = rng.standard_normal(4096).astype(np.float32)[::2]
+    np.testing.assert_allclose(block_abs_sums(flat, 512), _numpy_block_abs_sums(flat, 512),
+                               rtol=1e-5)
+
+
+def test_a_nan_or_infinity_spoils_only_its_own_block():
+    flat = np.ones(4 * 1024, np.float32)
+    flat[5] = np.nan
+    flat[2 * 1024 + 7] = -np.inf
+    sums = block_abs_sums(flat, 1024)
+    assert np.isnan(sums[0]) and sums[2] == np.inf
+    assert sums[1] == 1024 and sums[3] == 1024
+
+
+def _bits_to_round():
+    special = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000,
+                        0x7F800001, 0xFF800001, 0x7FFFFFFF, 0x00000001, 0x80000001, 0x007FFFFF,
+                        0x7F7FFFFF, 0xFF7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F807FFF,
+                        0x7F7F8000, 0x7F7F7FFF], np.uint32)
+    randoms = np.random.default_rng(3).integers(0, 2 ** 32, 200_000, dtype=np.uint32)
+    return np.concatenate([special, randoms]).view(np.float32)
+
+
+def test_bfloat16_rounding_has_ml_dtypes_bits_everywhere():
+    values = _bits_to_round()  # every class: zeros, subnormals, ties, overflow, NaNs
+    ours = to_bfloat16(values, np.empty(values.size, BFLOAT16))
+    theirs = np.empty(values.size, BFLOAT16)
+    np.copyto(theirs, values, casting="unsafe")
+    np.testing.assert_array_equal(ours.view(np.uint16), theirs.view(np.uint16))
+
+
+def test_bfloat16_of_other_dtypes_and_strides_takes_the_numpy_path(rng):
+    values = rng.standard_normal(1000)
+    out = to_bfloat16(values, np.empty(1000, BFLOAT16))
+    np.testing.assert_array_equal(out.view(np.uint16),
+                                  values.astype(BFLOAT16).view(np.uint16))
+    strided = values.astype(np.float32)[::2]
+    out = to_bfloat16(strided, np.empty(500, BFLOAT16))
+    np.testing.assert_array_equal(out.view(np.uint16), strided.astype(BFLOAT16).view(np.uint16))
+
+
+@pytest.mark.parametrize("wire", [np.float32, BFLOAT16])
+@pytest.mark.parametrize("add", [False, True])
+def test_blocks_into_equals_numpy_block_writes(rng, wire, add):
+    layout = BlockLayout(10 * 256 + 100, 256)  # a short last block
+    blocks = np.array([0, 1, 4, 7, 8, 10], dtype=np.uint32)
+    payload = layout.gather(rng.standard_normal(layout.n_elems).astype(wire), blocks)
+    start = rng.standard_normal(layout.padded_elems).astype(np.float32)
+    expected = start.copy()
+    offset = 0
+    for block in blocks.tolist():
+        lo, hi = layout.block_range(block)
+        widened = payload[offset:offset + hi - lo].astype(np.float32)
+        expected[lo:hi] = expected[lo:hi] + widened if add else widened
+        offset += hi - lo
+    padded = start.copy()
+    assert blocks_into_(padded, blocks, layout.block_elems, layout.n_elems, payload, add)
+    np.testing.assert_array_equal(padded, expected)
+
+
+def test_blocks_into_leaves_other_dtypes_to_numpy():
+    padded = np.zeros(512, np.float64)
+    assert not blocks_into_(padded, np.array([0]), 256, 512, np.ones(256), add=True)
+    assert not padded.any()
+    padded32 = np.zeros(512, np.float32)
+    assert not blocks_into_(padded32, np.array([0]), 256, 512, np.ones(256, np.float16), add=True)
+    assert not padded32.any()
