@@ -88,31 +88,28 @@ def to_bfloat16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _write_or_add(target, source, add):  # pragma: no cover - compiled, inlined by LLVM
+    if add:
+        for i in range(target.size):
+            target[i] += source[i]
+    else:
+        for i in range(target.size):
+            target[i] = source[i]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _bfloat16_blocks_into(padded, blocks, block_elems, n_elems, bits, add):  # pragma: no cover
-    # Fixed-length loops over one block at a time, as in _block_abs_sums_f32, so that they
-    # vectorise; the widened block stays in cache between its two loops.
+    # One block at a time: the widened block stays in cache between its two loops.
     widened = np.empty(block_elems, np.uint32)
     as_float = widened.view(np.float32)
     offset = 0
     for j in range(blocks.size):
         start = blocks[j] * block_elems
-        length = min(block_elems, n_elems - start)
+        length = min(block_elems, n_elems - start)  # the tensor's last block may be short
         source = bits[offset:offset + length]
-        target = padded[start:start + length]
-        if length == block_elems:
-            for i in range(block_elems):
-                widened[i] = np.uint32(source[i]) << np.uint32(16)
-            if add:
-                for i in range(block_elems):
-                    target[i] += as_float[i]
-            else:
-                for i in range(block_elems):
-                    target[i] = as_float[i]
-        else:  # the tensor's last block, shorter
-            for i in range(length):
-                widened[i] = np.uint32(source[i]) << np.uint32(16)
-            for i in range(length):
-                target[i] = target[i] + as_float[i] if add else as_float[i]
+        for i in range(length):
+            widened[i] = np.uint32(source[i]) << np.uint32(16)
+        _write_or_add(padded[start:start + length], as_float[:length], add)
         offset += length
 
 
@@ -122,18 +119,7 @@ def _float32_blocks_into(padded, blocks, block_elems, n_elems, payload, add):  #
     for j in range(blocks.size):
         start = blocks[j] * block_elems
         length = min(block_elems, n_elems - start)
-        source = payload[offset:offset + length]
-        target = padded[start:start + length]
-        if length == block_elems:
-            if add:
-                for i in range(block_elems):
-                    target[i] += source[i]
-            else:
-                for i in range(block_elems):
-                    target[i] = source[i]
-        else:
-            for i in range(length):
-                target[i] = target[i] + source[i] if add else source[i]
+        _write_or_add(padded[start:start + length], payload[offset:offset + length], add)
         offset += length
 
 
