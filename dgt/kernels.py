@@ -1,7 +1,7 @@
 """Compiled passes over whole gradients (numba), each with the numpy expression it replaces.
 
 A push touches every element of a gradient a few times; on AlexNet's 81 MB each numpy pass
-costs 4-10 ms, and two of them do more work than the memory traffic needs:
+costs 4-10 ms, and three of them did more work than their memory traffic needs:
 
 * the block scores: ``np.abs`` writes a full-size temporary and ``np.add.reduceat`` reads it
   back with a pairwise sum that does not vectorise across 1024-element blocks (9 ms for

@@ -155,9 +155,11 @@ class BlockLayout:
     def scatter_add_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray) -> None:
         """Inverse of :meth:`gather`: add ``payload`` into ``padded`` (``padded_elems`` long).
 
-        Long runs of consecutive blocks are added as slices, one pass over memory; scattered
-        blocks with one fancy-indexed add, which costs a gather and a scatter but no Python
-        per run (each is 2x faster than the other at its end of the range)."""
+        float32 or bfloat16 into float32 goes block by block through a compiled loop
+        (:func:`dgt.kernels.blocks_into_`).  Other dtypes: long runs of consecutive blocks are
+        added as slices, one pass over memory; scattered blocks with one fancy-indexed add,
+        which costs a gather and a scatter but no Python per run (each is 2x faster than the
+        other at its end of the range)."""
         if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
                                             payload, add=True):
             return
@@ -176,9 +178,9 @@ class BlockLayout:
             rows[-1, :last.size] += last
 
     def scatter_set_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray) -> None:
-        """Write ``payload`` into ``padded`` at ``blocks`` (one fancy-indexed write: a
-        single pass, as fast as slice copies for contiguous blocks and twice as fast for
-        scattered ones)."""
+        """Write ``payload`` into ``padded`` at ``blocks``: through the compiled loop as in
+        :meth:`scatter_add_`, else one fancy-indexed write (a single pass, as fast as slice
+        copies for contiguous blocks and twice as fast for scattered ones)."""
         if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
                                             payload, add=False):
             return
