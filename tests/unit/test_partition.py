@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts
+from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, home_server, plan_parts
 
 
 @pytest.mark.parametrize("n, b, blocks, last", [(1, 1024, 1, 1), (1023, 1024, 1, 1023),
@@ -107,7 +107,7 @@ def test_element_mask_expands_slots():
 
 def test_plan_parts_shards_small_and_slices_big_tensors():
     assert [p.server for p in plan_parts(10, key_id=3, num_servers=4, bigarray_elems=100)] == [
-        (3 * 9973) % 4]
+        home_server(3, 4)]
     parts = plan_parts(1001, key_id=0, num_servers=3, bigarray_elems=100)
     assert [(p.server, p.start, p.stop) for p in parts] == [(0, 0, 333), (1, 333, 667),
                                                            (2, 667, 1001)]
@@ -150,3 +150,24 @@ def test_expand_writes_the_blocks_and_zeroes_the_rest_of_an_unpadded_array(rng, 
     for b in chosen.tolist():  # block by block, the oracle
         expected[b * 64:(b + 1) * 64] = source[b * 64:(b + 1) * 64]
     np.testing.assert_array_equal(out, expected)
+
+
+def test_home_server_spreads_alternating_weights_and_biases():
+    # Gluon's key order: weight, bias, weight, bias...  MXNet's (key * 9973) % 2 is the
+    # parity, which put every weight on one server.
+    sizes = [100_000 if key % 2 == 0 else 100 for key in range(116)]
+    for servers in (2, 3, 4):
+        load = [0] * servers
+        for key, size in enumerate(sizes):
+            load[home_server(key, servers)] += size
+        assert max(load) < 1.5 * sum(load) / servers, (servers, load)
+    parity = [0, 0]
+    for key, size in enumerate(sizes):
+        parity[(key * 9973) % 2] += size
+    assert min(parity) < 0.01 * sum(parity)  # the old rule, for contrast
+
+
+def test_home_server_is_a_function_of_the_key_alone():
+    assert [home_server(k, 5) for k in range(50)] == [home_server(k, 5) for k in range(50)]
+    assert all(0 <= home_server(k, 3) < 3 for k in range(1000))
+    assert home_server(12345, 1) == 0
