@@ -121,7 +121,9 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("bigarray_elems", "DGT_BIGARRAY_ELEMS", int, 1_000_000, "1024..2**31-1",
          _in(1024, 2 ** 31 - 1),
          "Tensors at least this large are sliced across all servers (as "
-         "MXNET_KVSTORE_BIGARRAY_BOUND); smaller ones go whole to one server.", "worker"),
+         "MXNET_KVSTORE_BIGARRAY_BOUND); smaller ones go whole to one server, picked by a hash "
+         "of the key (MXNet's `(key * 9973) % servers` is the key's parity with 2 servers, "
+         "which put every Gluon weight on the same one).", "worker"),
     Knob("part_elems", "DGT_PART_ELEMS", int, 1 << 20, "0 or 1024..2**31-1",
          lambda v: v == 0 or 1024 <= v < 2 ** 31,
          "Tensors larger than this many elements are cut into parts merged and answered "
