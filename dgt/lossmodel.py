@@ -9,17 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .splitmix import GOLDEN, mix64
+
 __all__ = ["dropped_slots"]
-
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
 
 
 def dropped_slots(probability: float, seed: int, rank: int, key: int, part: int, step: int,
@@ -33,6 +25,6 @@ def dropped_slots(probability: float, seed: int, rank: int, key: int, part: int,
     with np.errstate(over="ignore"):
         h = np.full(1, seed, dtype=np.uint64)
         for value in (rank, key, part, step):
-            h = _mix(h * _GOLDEN + np.uint64(value & 0xFFFFFFFFFFFFFFFF))
-        u = _mix(h * _GOLDEN + slots) >> np.uint64(11)
+            h = mix64(h * GOLDEN + np.uint64(value & 0xFFFFFFFFFFFFFFFF))
+        u = mix64(h * GOLDEN + slots) >> np.uint64(11)
     return (u.astype(np.float64) * (1.0 / 2 ** 53)) < probability

@@ -25,6 +25,7 @@ from typing import List, Optional
 import numpy as np
 
 from .kernels import blocks_into_
+from .splitmix import GOLDEN, mix64
 
 __all__ = ["BlockLayout", "FragmentLayout", "Part", "home_server", "plan_parts", "fragment_elems"]
 
@@ -62,18 +63,14 @@ def fragment_elems(block_elems: int, itemsize: int, payload_bytes: int) -> int:
     return most
 
 
-_MASK64 = (1 << 64) - 1
-
-
 def home_server(key_id: int, num_servers: int) -> int:
     """The server of a key that is not spread: splitmix64 of the key, modulo the servers.
 
     A function of the key alone, so every worker agrees without talking; mixed, so that
     keys that alternate in size (weight, bias, weight, ...) do not all fall on one server."""
-    x = (key_id + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) % max(num_servers, 1)
+    with np.errstate(over="ignore"):
+        mixed = mix64(np.uint64(key_id) + GOLDEN)
+    return int(mixed % np.uint64(max(num_servers, 1)))
 
 
 def plan_parts(n_elems: int, key_id: int, num_servers: int, bigarray_elems: int,

@@ -1,4 +1,4 @@
-"""Per-block contribution scores (pure numpy).
+"""Per-block contribution scores (pure: no I/O, no state outside ContributionState).
 
 The contribution of block b of key k at step t is an exponential moving average of the block's
 mean absolute gradient, as in the published DGT::

@@ -167,7 +167,16 @@ def test_home_server_spreads_alternating_weights_and_biases():
     assert min(parity) < 0.01 * sum(parity)  # the old rule, for contrast
 
 
-def test_home_server_is_a_function_of_the_key_alone():
-    assert [home_server(k, 5) for k in range(50)] == [home_server(k, 5) for k in range(50)]
-    assert all(0 <= home_server(k, 3) < 3 for k in range(1000))
-    assert home_server(12345, 1) == 0
+def _splitmix64(key):  # the published algorithm in plain integers, the oracle
+    mask = (1 << 64) - 1
+    x = (key + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def test_home_server_is_splitmix64_of_the_key_alone():
+    # Workers place keys without talking, so the rule must not drift between versions.
+    for servers in (1, 2, 3, 7):
+        assert [home_server(k, servers) for k in [*range(200), 2 ** 32 - 1]] == [
+            _splitmix64(k) % servers for k in [*range(200), 2 ** 32 - 1]]
