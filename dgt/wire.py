@@ -61,7 +61,8 @@ import ml_dtypes
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .partition import BlockLayout
+from .kernels import datagram_rows_
+from .partition import BlockLayout, FragmentLayout
 
 __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_blocks",
            "sum_reply_frames", "SPARSE_REPLY_MIN_SAVING",
@@ -69,7 +70,8 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
            "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "FLAG_SCORES", "NO_RANK",
            "PRIORITY_CONTROL", "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
-           "HEADER_DTYPE", "data_headers", "check_datagrams", "header_runs", "decode_scores",
+           "HEADER_DTYPE", "data_headers", "Datagrams", "frame_datagrams", "check_datagrams",
+           "header_runs", "decode_scores",
            "BFLOAT16", "is_float_dtype"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
@@ -357,6 +359,46 @@ def data_headers(base: Header, channels: np.ndarray, blocks: np.ndarray,
     headers["block"] = blocks
     headers["frag"] = frags
     return headers
+
+
+
+class Datagrams(NamedTuple):
+    """The datagrams of one push's UDP fragments, ready for the socket (see
+    :func:`frame_datagrams`)."""
+
+    rows: np.ndarray          # uint8 (n, HEADER_BYTES + frag bytes): the full-size fragments
+    row_channels: np.ndarray  # channel of each row, in ascending runs
+    odd_headers: bytes        # the other fragments' headers, HEADER_BYTES each
+    odd_channels: np.ndarray  # ... their channels
+    odd_byte_ranges: Tuple[np.ndarray, np.ndarray]  # ... their payloads, in bytes of values
+
+
+def frame_datagrams(base: Header, layout: FragmentLayout, values: np.ndarray,
+                    channels: np.ndarray, slots: np.ndarray) -> Datagrams:
+    """The DATA datagrams of fragment ``slots`` (in sending order) of one part's ``values``
+    (already in the wire dtype), each block on its ``channels[block]``.
+
+    Full-size fragments (all of them when the block is a multiple of ``frag_elems``, see
+    :func:`dgt.partition.fragment_elems`) become rows of one array, header and payload copied
+    once into each, which the sender hands the kernel many rows per call; the shorter ones (a
+    tensor's short last block) are left as header bytes and byte ranges."""
+    block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
+    starts, stops = layout.slot_ranges(slots)
+    chans = channels[block_ids]
+    headers = data_headers(base, chans, block_ids, frag_ids)
+    fe = layout.frag_elems
+    size = values.dtype.itemsize
+    # Rows of bytes, not records: fancy-indexing a structured array costs 20x more.
+    header_rows = headers.view(np.uint8).reshape(len(slots), HEADER_BYTES)
+    full = (stops - starts) == fe
+    if full.all():  # the usual case: no index needed
+        rows_at, odd = slice(None), slice(0, 0)
+    else:
+        rows_at, odd = np.flatnonzero(full), np.flatnonzero(~full)
+    rows = np.empty((int(full.sum()), HEADER_BYTES + fe * size), dtype=np.uint8)
+    datagram_rows_(rows, header_rows[rows_at], values.view(np.uint8), starts[rows_at] * size)
+    return Datagrams(rows, chans[rows_at], header_rows[odd].tobytes(), chans[odd],
+                     (starts[odd] * size, stops[odd] * size))
 
 
 def check_datagrams(headers: np.ndarray, sizes: np.ndarray) -> np.ndarray:

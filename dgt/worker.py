@@ -39,9 +39,9 @@ from .transport.links import ServerLinks
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLOAT_CODES,
                    HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
-                   BFLOAT16, clamp_priority, code_dtype, data_headers, decode_blocks,
+                   BFLOAT16, clamp_priority, code_dtype, decode_blocks,
                    decode_header, decode_scores, dtype_code, encode_header, split_blocks,
-                   split_dense)
+                   split_dense, frame_datagrams)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -554,56 +554,38 @@ class Worker:
                         server: int) -> float:
         """Send one datagram per fragment slot, in the given order (channel 1 first).
 
-        Datagrams of full size are copied into one staging array, header and payload per
-        row, and handed to the kernel many rows per call (UDP GSO); the rest, if any, one by
-        one.  Loss injection removes rows before sending.  Returns the CPU seconds spent in
+        Datagrams of full size are rows of one array (:func:`dgt.wire.frame_datagrams`),
+        handed to the kernel many rows per call (UDP GSO); the rest, if any, one by one.  Loss
+        injection removes slots before framing.  Returns the CPU seconds spent in
         the socket calls (the transport's cost, not dgt's own).
         """
         cfg = self.config
         dropped = dropped_slots(cfg.udp_drop, cfg.seed, self.rank, base.key, base.part,
                                 base.step, slots)
-        slots = slots[~dropped]
-        block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
-        starts, stops = layout.slot_ranges(slots)
-        chans = channels[block_ids]
-        headers = data_headers(base, chans, block_ids, frag_ids)
-        fe = layout.frag_elems
-        size = values.dtype.itemsize
-        # Rows: full-size fragments that start on a multiple of fe (all of them when the block
-        # is a multiple of fe, see partition.fragment_elems).
-        uniform = ((stops - starts) == fe) & (starts % fe == 0)
+        datagrams = frame_datagrams(base, layout, values, channels, slots[~dropped])
         addr = self._addrs[server]
         sent = errors = 0
-        socket_s = 0.0
-        if uniform.any():
-            rows = np.flatnonzero(uniform)
-            n_rows_total = values.size // fe
-            payload = np.take(values[:n_rows_total * fe].reshape(n_rows_total, fe),
-                              starts[rows] // fe, axis=0, mode="clip")
-            row_bytes = HEADER_BYTES + fe * size
-            staging = np.empty((len(rows), row_bytes), dtype=np.uint8)
-            staging[:, :HEADER_BYTES] = headers[rows].view(np.uint8).reshape(len(rows), -1)
-            staging[:, HEADER_BYTES:] = payload.view(np.uint8).reshape(len(rows), -1)
-            row_chans = chans[rows]
+        socket_began = time.thread_time()
+        row_chans = datagrams.row_channels
+        if len(row_chans):
             bounds = np.flatnonzero(np.diff(row_chans)) + 1
-            socket_began = time.thread_time()
-            for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(rows)]):
-                ok, bad = self._udp.send_rows(int(row_chans[lo]), addr, staging[lo:hi])
+            for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(row_chans)]):
+                ok, bad = self._udp.send_rows(int(row_chans[lo]), addr, datagrams.rows[lo:hi])
                 sent += ok
                 errors += bad
-            socket_s += time.thread_time() - socket_began
-        if not uniform.all():
-            header_view = memoryview(headers.tobytes())
+        if len(datagrams.odd_channels):
+            header_view = memoryview(datagrams.odd_headers)
             data_view = memoryview(values.view(np.uint8))  # bfloat16 has no buffer format
-            socket_began = time.thread_time()
-            for i in np.flatnonzero(~uniform).tolist():
-                if self._udp.send(int(chans[i]), addr,
+            firsts, lasts = (bound.tolist() for bound in datagrams.odd_byte_ranges)
+            for i, (channel, first, last) in enumerate(zip(datagrams.odd_channels.tolist(),
+                                                          firsts, lasts)):
+                if self._udp.send(channel, addr,
                                   header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
-                                  data_view[int(starts[i]) * size:int(stops[i]) * size]):
+                                  data_view[first:last]):
                     sent += 1
                 else:
                     errors += 1
-            socket_s += time.thread_time() - socket_began
+        socket_s = time.thread_time() - socket_began
         if stats is not None:
             with self._stats_lock:
                 stats.datagrams_sent += sent

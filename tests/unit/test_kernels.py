@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dgt.kernels import block_abs_sums, blocks_into_, to_bfloat16
+from dgt.kernels import block_abs_sums, blocks_into_, datagram_rows_, to_bfloat16
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
 
@@ -89,3 +89,22 @@ def test_blocks_into_leaves_other_dtypes_to_numpy():
     padded32 = np.zeros(512, np.float32)
     assert not blocks_into_(padded32, np.array([0]), 256, 512, np.ones(256, np.float16), add=True)
     assert not padded32.any()
+
+
+def test_datagram_rows_copy_each_header_and_payload_once(rng):
+    headers = rng.integers(0, 256, (5, 7), dtype=np.uint8)
+    source = rng.integers(0, 256, 100, dtype=np.uint8)
+    starts = np.array([0, 90, 13, 13, 40])
+    out = np.full((5, 7 + 10), 0xAA, dtype=np.uint8)
+    assert datagram_rows_(out, headers, source, starts) is out
+    expected = np.stack([np.concatenate([headers[r], source[s:s + 10]])
+                         for r, s in enumerate(starts)])
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_datagram_rows_refuse_a_payload_past_the_source():
+    out = np.zeros((1, 4 + 8), np.uint8)
+    with pytest.raises(ValueError, match="outside the source"):
+        datagram_rows_(out, np.zeros((1, 4), np.uint8), np.zeros(20, np.uint8), np.array([13]))
+    with pytest.raises(ValueError, match="uint8 header rows"):
+        datagram_rows_(out, np.zeros((2, 4), np.uint8), np.zeros(20, np.uint8), np.array([0]))

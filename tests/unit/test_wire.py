@@ -2,10 +2,11 @@ import numpy as np
 import pytest
 
 from dgt.errors import RemoteProtocolError
-from dgt.partition import BlockLayout
-from dgt.wire import (CHUNK_BYTES, HEADER_BYTES, Header, MsgType, data_headers, decode_blocks,
-                      decode_datagram, decode_header, decode_scores, encode_header,
-                      expected_fragment_bytes, header_runs, split_blocks, sum_reply_frames)
+from dgt.partition import BlockLayout, FragmentLayout
+from dgt.wire import (BFLOAT16, CHUNK_BYTES, HEADER_BYTES, Header, MsgType, data_headers,
+                      decode_blocks, decode_datagram, decode_header, decode_scores, dtype_code,
+                      encode_header, expected_fragment_bytes, frame_datagrams, header_runs,
+                      split_blocks, sum_reply_frames)
 
 
 def data_header(**kw):
@@ -207,3 +208,41 @@ def test_bfloat16_travels_in_two_bytes_and_rounds_to_nearest():
     back = wire.astype(np.float32)
     assert back[0] == 1.0 and back[1] == 1 + 2.0 ** -6 and back[3] == -3.0
     assert np.isfinite(back[2]) and abs(back[2] / 1e38 - 1) < 2 ** -8
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+@pytest.mark.parametrize("n_elems,frag_elems", [(4 * 1024 + 300, 256), (3 * 1024, 350)])
+def test_frame_datagrams_decode_to_their_fragments(rng, dtype, n_elems, frag_elems):
+    """Every datagram, row or odd one, decodes to its slot's header and the slot's values;
+    rows keep the sending order and carry the full-size fragments only."""
+    layout = FragmentLayout(BlockLayout(n_elems, 1024), frag_elems)
+    values = rng.standard_normal(n_elems).astype(np.float32).astype(dtype)
+    channels = rng.integers(1, 4, layout.blocks.n_blocks).astype(np.uint8)
+    blocks = np.flatnonzero(channels)
+    blocks = blocks[np.argsort(channels[blocks], kind="stable")]
+    slots = layout.slots_of_blocks(blocks)
+    base = Header(MsgType.DATA, job=9, rank=1, dtype=dtype_code(np.dtype(dtype)), key=5, part=2,
+                  step=7, n_elems=n_elems, block_elems=1024, frag_elems=frag_elems)
+    datagrams = frame_datagrams(base, layout, values, channels, slots)
+    size = values.dtype.itemsize
+    sent = [bytes(row) for row in datagrams.rows]
+    for i, (first, last) in enumerate(zip(*datagrams.odd_byte_ranges)):
+        sent.append(datagrams.odd_headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
+                    + values.view(np.uint8)[first:last].tobytes())
+    assert len(sent) == len(slots)
+    starts, stops = layout.slot_ranges(slots)
+    full = (stops - starts) == frag_elems
+    seen = {}
+    for datagram in sent:
+        header, payload = decode_datagram(datagram)
+        seen[header.block * layout.frags_per_block + header.frag] = (header, bytes(payload))
+    for slot, start, stop in zip(slots.tolist(), starts.tolist(), stops.tolist()):
+        header, payload = seen[slot]
+        assert header._replace(channel=0, block=0, frag=0) == base
+        assert header.channel == channels[slot // layout.frags_per_block]
+        assert payload == values[start:stop].tobytes()
+    row_slots = [decode_datagram(bytes(r))[0] for r in datagrams.rows]
+    assert [h.block * layout.frags_per_block + h.frag for h in row_slots] == \
+        slots[full].tolist()
+    assert datagrams.rows.shape == (full.sum(), HEADER_BYTES + frag_elems * size)
+    assert np.array_equal(datagrams.row_channels, [h.channel for h in row_slots])
