@@ -493,9 +493,11 @@ class Worker:
         rng = (np.random.default_rng([cfg.seed, self.rank, key, part.index, step])
                if cfg.random_order else None)
         channels = assign_channels(ranking, k, cfg.udp_channels, rng)
-        reliable = np.flatnonzero(channels == 0).astype(np.uint32)
-        udp_blocks = np.flatnonzero(channels)
-        udp_blocks = udp_blocks[np.argsort(channels[udp_blocks], kind="stable")]
+        # One stable sort: the reliable blocks first, ascending, then channel 1's, 2's, ...
+        by_channel = np.argsort(channels, kind="stable")
+        blocks_per_channel = np.bincount(channels, minlength=cfg.udp_channels + 1)
+        reliable = by_channel[:blocks_per_channel[0]].astype(np.uint32)
+        udp_blocks = by_channel[blocks_per_channel[0]:]
         slots = layout.slots_of_blocks(udp_blocks) if not cfg.send_drop else np.empty(0, np.int64)
         header = base._replace(block=len(reliable), udp_expected=len(slots))
         score_frames = []
@@ -510,10 +512,11 @@ class Worker:
         self._send(part.server, [encode_header(header), reliable, *score_frames,
                                  *split_blocks(blocks, reliable, payload)], priority)
         self._count(stats, 0, len(reliable), payload.nbytes)
+        elems_per_channel = np.bincount(channels, weights=blocks.block_lengths,
+                                        minlength=cfg.udp_channels + 1)
         for channel in range(1, cfg.udp_channels + 1):
-            chosen = channels[udp_blocks] == channel
-            self._count(stats, channel, int(np.count_nonzero(chosen)),
-                        int(blocks.block_lengths[udp_blocks[chosen]].sum()) * wire_dtype.itemsize)
+            self._count(stats, channel, int(blocks_per_channel[channel]),
+                        int(elems_per_channel[channel]) * wire_dtype.itemsize)
         socket_s = 0.0
         if len(slots):
             socket_s = self._send_datagrams(base, layout, wire_values, channels, slots, stats,
