@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from .kernels import blocks_into_
+from .kernels import blocks_into_, gather_bfloat16_
 from .splitmix import GOLDEN, mix64
 
 __all__ = ["BlockLayout", "FragmentLayout", "Part", "home_server", "plan_parts", "fragment_elems"]
@@ -131,8 +131,15 @@ class BlockLayout:
 
         Full blocks are gathered through a 2-D view in one ``take``; only the (shorter) last
         block is appended separately.  ``out`` (at least as long as the result) avoids a new
-        allocation; the result is then a view of it.
+        allocation; the result is then a view of it, in ``out``'s dtype: float32 into
+        bfloat16 is rounded on the way by a compiled loop (:func:`dgt.kernels.gather_bfloat16_`),
+        any other pair gathered first and then cast.
         """
+        if out is not None and out.dtype != flat.dtype:
+            result = out[:self.payload_elems(blocks)]
+            if not gather_bfloat16_(result, flat, blocks, self.block_elems):
+                np.copyto(result, self.gather(flat, blocks), casting="unsafe")
+            return result
         last = self.n_blocks - 1
         full = blocks[blocks < last]
         n_full = last * self.block_elems

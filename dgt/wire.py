@@ -61,7 +61,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .kernels import datagram_rows_
+from .kernels import datagram_rows_, datagram_rows_bfloat16_
 from .partition import BlockLayout, FragmentLayout
 
 __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_blocks",
@@ -370,36 +370,45 @@ class Datagrams(NamedTuple):
     row_channels: np.ndarray  # channel of each row, in ascending runs
     odd_headers: bytes        # the other fragments' headers, HEADER_BYTES each
     odd_channels: np.ndarray  # ... their channels
-    odd_byte_ranges: Tuple[np.ndarray, np.ndarray]  # ... their payloads, in bytes of values
+    odd_payloads: List[np.ndarray]  # ... their payloads (uint8)
 
 
 def frame_datagrams(base: Header, layout: FragmentLayout, values: np.ndarray,
-                    channels: np.ndarray, slots: np.ndarray) -> Datagrams:
-    """The DATA datagrams of fragment ``slots`` (in sending order) of one part's ``values``
-    (already in the wire dtype), each block on its ``channels[block]``.
+                    channels: np.ndarray, slots: np.ndarray,
+                    wire_dtype: np.dtype = None) -> Datagrams:
+    """The DATA datagrams of fragment ``slots`` (in sending order) of one part's ``values``,
+    each block on its ``channels[block]``, with payloads in ``wire_dtype`` (by default the
+    values' own; float32 values are rounded to bfloat16 on the way into the rows).
 
     Full-size fragments (all of them when the block is a multiple of ``frag_elems``, see
     :func:`dgt.partition.fragment_elems`) become rows of one array, header and payload copied
     once into each, which the sender hands the kernel many rows per call; the shorter ones (a
-    tensor's short last block) are left as header bytes and byte ranges."""
+    tensor's short last block) come apart, header bytes and payloads."""
+    wire_dtype = values.dtype if wire_dtype is None else np.dtype(wire_dtype)
+    if wire_dtype != values.dtype and not (wire_dtype == BFLOAT16
+                                           and values.dtype == np.float32):
+        values = values.astype(wire_dtype)  # no such pair is sent today; kept correct anyway
     block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
     starts, stops = layout.slot_ranges(slots)
     chans = channels[block_ids]
     headers = data_headers(base, chans, block_ids, frag_ids)
     fe = layout.frag_elems
-    size = values.dtype.itemsize
     # Rows of bytes, not records: fancy-indexing a structured array costs 20x more.
     header_rows = headers.view(np.uint8).reshape(len(slots), HEADER_BYTES)
     full = (stops - starts) == fe
     if full.all():  # the usual case: no index needed
-        rows_at, odd = slice(None), slice(0, 0)
+        rows_at, odd = slice(None), np.empty(0, np.int64)
     else:
         rows_at, odd = np.flatnonzero(full), np.flatnonzero(~full)
-    rows = np.empty((int(full.sum()), HEADER_BYTES + fe * size), dtype=np.uint8)
-    datagram_rows_(rows, header_rows[rows_at], values.view(np.uint8), starts[rows_at] * size)
-    return Datagrams(rows, chans[rows_at], header_rows[odd].tobytes(), chans[odd],
-                     (starts[odd] * size, stops[odd] * size))
-
+    rows = np.empty((int(full.sum()), HEADER_BYTES + fe * wire_dtype.itemsize), dtype=np.uint8)
+    if wire_dtype == values.dtype:
+        datagram_rows_(rows, header_rows[rows_at], values.view(np.uint8),
+                       starts[rows_at] * values.dtype.itemsize)
+    else:
+        datagram_rows_bfloat16_(rows, header_rows[rows_at], values, starts[rows_at])
+    odd_payloads = [values[start:stop].astype(wire_dtype).view(np.uint8)
+                    for start, stop in zip(starts[odd].tolist(), stops[odd].tolist())]
+    return Datagrams(rows, chans[rows_at], header_rows[odd].tobytes(), chans[odd], odd_payloads)
 
 def check_datagrams(headers: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """Vectorised :func:`decode_datagram` checks: True where a datagram is well formed.

@@ -504,9 +504,9 @@ class Worker:
         if cfg.shared_ranking:
             header = header._replace(flags=FLAG_SCORES)
             score_frames = [np.asarray(scores, dtype=np.float32)]  # a new array every step
-        # Scores and error feedback above use the exact values; only what travels is cast.
-        wire_values = self._to_wire(values, scratch)
-        payload = blocks.gather(wire_values, reliable, out=scratch.gathered)
+        # Scores and error feedback above use the exact values; only what travels is cast,
+        # on the way into the payload and the datagrams (scratch.gathered is in the wire dtype).
+        payload = blocks.gather(values, reliable, out=scratch.gathered)
         self._register(("push", key, part.index, step), inflight)
         self._hold(stats)  # until its reply is counted (or it fails)
         self._send(part.server, [encode_header(header), reliable, *score_frames,
@@ -519,8 +519,8 @@ class Worker:
                         int(elems_per_channel[channel]) * wire_dtype.itemsize)
         socket_s = 0.0
         if len(slots):
-            socket_s = self._send_datagrams(base, layout, wire_values, channels, slots, stats,
-                                            part.server)
+            socket_s = self._send_datagrams(base, layout, values, wire_dtype, channels, slots,
+                                            stats, part.server)
             self._send(part.server, [encode_header(base._replace(type=MsgType.PUSH_END))],
                        priority)
         return socket_s
@@ -553,8 +553,8 @@ class Worker:
         return scratch
 
     def _send_datagrams(self, base: Header, layout: FragmentLayout, values: np.ndarray,
-                        channels: np.ndarray, slots: np.ndarray, stats: Optional[StepStats],
-                        server: int) -> float:
+                        wire_dtype: np.dtype, channels: np.ndarray, slots: np.ndarray,
+                        stats: Optional[StepStats], server: int) -> float:
         """Send one datagram per fragment slot, in the given order (channel 1 first).
 
         Datagrams of full size are rows of one array (:func:`dgt.wire.frame_datagrams`),
@@ -565,7 +565,7 @@ class Worker:
         cfg = self.config
         dropped = dropped_slots(cfg.udp_drop, cfg.seed, self.rank, base.key, base.part,
                                 base.step, slots)
-        datagrams = frame_datagrams(base, layout, values, channels, slots[~dropped])
+        datagrams = frame_datagrams(base, layout, values, channels, slots[~dropped], wire_dtype)
         addr = self._addrs[server]
         sent = errors = 0
         socket_began = time.thread_time()
@@ -576,18 +576,14 @@ class Worker:
                 ok, bad = self._udp.send_rows(int(row_chans[lo]), addr, datagrams.rows[lo:hi])
                 sent += ok
                 errors += bad
-        if len(datagrams.odd_channels):
-            header_view = memoryview(datagrams.odd_headers)
-            data_view = memoryview(values.view(np.uint8))  # bfloat16 has no buffer format
-            firsts, lasts = (bound.tolist() for bound in datagrams.odd_byte_ranges)
-            for i, (channel, first, last) in enumerate(zip(datagrams.odd_channels.tolist(),
-                                                          firsts, lasts)):
-                if self._udp.send(channel, addr,
-                                  header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
-                                  data_view[first:last]):
-                    sent += 1
-                else:
-                    errors += 1
+        header_view = memoryview(datagrams.odd_headers)
+        for i, (channel, payload) in enumerate(zip(datagrams.odd_channels.tolist(),
+                                                   datagrams.odd_payloads)):
+            if self._udp.send(channel, addr, header_view[i * HEADER_BYTES:(i + 1) * HEADER_BYTES],
+                              memoryview(payload)):
+                sent += 1
+            else:
+                errors += 1
         socket_s = time.thread_time() - socket_began
         if stats is not None:
             with self._stats_lock:

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from dgt.kernels import block_abs_sums, blocks_into_, datagram_rows_, to_bfloat16
+from dgt.kernels import (block_abs_sums, blocks_into_, datagram_rows_,
+                         datagram_rows_bfloat16_, gather_bfloat16_, to_bfloat16)
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
 
@@ -108,3 +109,41 @@ def test_datagram_rows_refuse_a_payload_past_the_source():
         datagram_rows_(out, np.zeros((1, 4), np.uint8), np.zeros(20, np.uint8), np.array([13]))
     with pytest.raises(ValueError, match="uint8 header rows"):
         datagram_rows_(out, np.zeros((2, 4), np.uint8), np.zeros(20, np.uint8), np.array([0]))
+
+
+@pytest.mark.parametrize("n_elems", [1, 1024, 5 * 1024 + 17])
+def test_gather_rounds_float32_blocks_into_bfloat16_as_cast_then_gather(rng, n_elems):
+    layout = BlockLayout(n_elems, 1024)
+    values = (rng.standard_normal(n_elems) * 10.0 ** rng.integers(-40, 39, n_elems)
+              ).astype(np.float32)
+    values[0] = np.nan
+    blocks = np.flatnonzero(rng.random(layout.n_blocks) < 0.7)
+    blocks = np.append(blocks[blocks < layout.n_blocks - 1], layout.n_blocks - 1)
+    out = np.full(n_elems + 5, 7, BFLOAT16)
+    gathered = layout.gather(values, blocks, out=out)
+    expected = layout.gather(values.astype(BFLOAT16), blocks)
+    assert gathered.dtype == BFLOAT16 and np.shares_memory(gathered, out)
+    assert np.array_equal(gathered.view(np.uint16), expected.view(np.uint16))
+
+
+def test_gather_into_another_dtype_without_a_kernel_casts_after_gathering(rng):
+    layout = BlockLayout(3000, 1024)
+    values = rng.standard_normal(3000)  # float64: no compiled path
+    out = np.empty(3000, np.float32)
+    assert not gather_bfloat16_(out, values, np.array([0, 2]), 1024)
+    gathered = layout.gather(values, np.array([0, 2]), out=out)
+    np.testing.assert_array_equal(gathered, np.concatenate([values[:1024], values[2048:]])
+                                  .astype(np.float32))
+
+
+def test_datagram_rows_bfloat16_round_each_payload(rng):
+    values = rng.standard_normal(64).astype(np.float32)
+    headers = rng.integers(0, 256, (3, 5), dtype=np.uint8)
+    starts = np.array([0, 40, 7])
+    out = np.empty((3, 5 + 2 * 16), np.uint8)
+    datagram_rows_bfloat16_(out, headers, values, starts)
+    for r, start in enumerate(starts):
+        assert out[r, :5].tobytes() == headers[r].tobytes()
+        assert out[r, 5:].tobytes() == values[start:start + 16].astype(BFLOAT16).tobytes()
+    with pytest.raises(ValueError, match="outside the source"):
+        datagram_rows_bfloat16_(out, headers, values, np.array([0, 49, 7]))

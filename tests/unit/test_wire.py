@@ -226,9 +226,9 @@ def test_frame_datagrams_decode_to_their_fragments(rng, dtype, n_elems, frag_ele
     datagrams = frame_datagrams(base, layout, values, channels, slots)
     size = values.dtype.itemsize
     sent = [bytes(row) for row in datagrams.rows]
-    for i, (first, last) in enumerate(zip(*datagrams.odd_byte_ranges)):
+    for i, payload in enumerate(datagrams.odd_payloads):
         sent.append(datagrams.odd_headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
-                    + values.view(np.uint8)[first:last].tobytes())
+                    + payload.tobytes())
     assert len(sent) == len(slots)
     starts, stops = layout.slot_ranges(slots)
     full = (stops - starts) == frag_elems
@@ -246,3 +246,25 @@ def test_frame_datagrams_decode_to_their_fragments(rng, dtype, n_elems, frag_ele
         slots[full].tolist()
     assert datagrams.rows.shape == (full.sum(), HEADER_BYTES + frag_elems * size)
     assert np.array_equal(datagrams.row_channels, [h.channel for h in row_slots])
+
+
+@pytest.mark.parametrize("n_elems,frag_elems", [(4 * 1024 + 300, 256), (3 * 1024, 350)])
+def test_frame_datagrams_round_float32_to_bfloat16_on_the_way(rng, n_elems, frag_elems):
+    """Framing float32 values for a bfloat16 wire gives, byte for byte, the datagrams of the
+    values cast first (ml_dtypes' rounding), odd fragments included."""
+    layout = FragmentLayout(BlockLayout(n_elems, 1024), frag_elems)
+    values = (rng.standard_normal(n_elems) * 10.0 ** rng.integers(-30, 30, n_elems)
+              ).astype(np.float32)
+    values[:4] = [np.nan, -np.inf, 3.4e38, -0.0]
+    channels = rng.integers(0, 4, layout.blocks.n_blocks).astype(np.uint8)
+    slots = layout.slots_of_blocks(np.flatnonzero(channels))
+    base = Header(MsgType.DATA, job=9, rank=1, dtype=dtype_code(BFLOAT16), key=5, part=2,
+                  step=7, n_elems=n_elems, block_elems=1024, frag_elems=frag_elems)
+    rounded = frame_datagrams(base, layout, values, channels, slots, BFLOAT16)
+    cast_first = frame_datagrams(base, layout, values.astype(BFLOAT16), channels, slots)
+    assert np.array_equal(rounded.rows, cast_first.rows)
+    assert np.array_equal(rounded.row_channels, cast_first.row_channels)
+    assert rounded.odd_headers == cast_first.odd_headers
+    assert [p.tobytes() for p in rounded.odd_payloads] == \
+        [p.tobytes() for p in cast_first.odd_payloads]
+    assert rounded.rows.shape[1] == HEADER_BYTES + 2 * frag_elems
