@@ -32,7 +32,7 @@ from numba import njit
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 __all__ = ["block_abs_sums", "blocks_into_", "datagram_rows_", "datagram_rows_bfloat16_",
-           "gather_bfloat16_", "to_bfloat16"]
+           "gather_bfloat16_", "to_bfloat16", "warm_up"]
 
 # Reassociation lets the compiler keep several partial sums in vector registers; the flags
 # that assume no NaN or infinity are left out, so a NaN gradient still gives a NaN score.
@@ -163,6 +163,7 @@ def blocks_into_(padded: np.ndarray, blocks: np.ndarray, block_elems: int, n_ele
     if padded.dtype != np.float32 or padded.ndim != 1 or payload.ndim != 1 \
             or not padded.flags.c_contiguous or not payload.flags.c_contiguous:
         return False
+    blocks = np.asarray(blocks, dtype=np.int64)  # one compiled signature (and warm_up's)
     if payload.dtype == np.float32:
         _float32_blocks_into(padded, blocks, block_elems, n_elems, payload, add)
     elif payload.dtype == _BFLOAT16:
@@ -242,3 +243,28 @@ def datagram_rows_(out: np.ndarray, headers: np.ndarray, source: np.ndarray,
     headers, starts = _check_rows(out, headers, source, starts_bytes, 1)
     _datagram_rows(headers, source, starts, out)
     return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel now, with the argument types a worker
+    and a server pass, so that the first training step does not pay for it (up to seconds on a
+    machine without the cache) and per-step CPU figures measure steady work."""
+    values = np.linspace(-1.0, 1.0, 128, dtype=np.float32)
+    blocks = np.array([0, 1], dtype=np.int64)
+    block_abs_sums(values, 64)
+    wire = to_bfloat16(values, np.empty(128, _BFLOAT16))
+    padded = np.zeros(128, np.float32)
+    received = []  # a server's payloads are read-only views of ZeroMQ frames
+    for payload in (values, wire):
+        frozen = payload.copy()
+        frozen.flags.writeable = False
+        received += [payload, frozen]
+    for payload in received:
+        for add in (False, True):
+            blocks_into_(padded, blocks, 64, 128, payload, add)
+    gather_bfloat16_(np.empty(128, _BFLOAT16), values, blocks, 64)
+    headers = np.zeros((2, 4), np.uint8)
+    datagram_rows_(np.empty((2, 4 + 64), np.uint8), headers, values.view(np.uint8),
+                   np.array([0, 64]))
+    datagram_rows_bfloat16_(np.empty((2, 4 + 64), np.uint8), headers, values,
+                            np.array([0, 32]))

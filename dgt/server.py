@@ -28,6 +28,7 @@ import zmq
 from .config import Config
 from .errors import ConfigError, DGTError, RemoteProtocolError
 from .fusion import FUSED_KEY_BASE
+from .kernels import warm_up
 from .merge import ClosedStep, StepMerger
 from .partition import BlockLayout
 from .transport.links import CLOSE_DRAIN_S, SOCKET_QUEUE_MESSAGES
@@ -141,6 +142,7 @@ class Server:
         self.config = config
         addrs = config.server_addr_list()
         port = addrs[config.server_index][1] if addrs else 0
+        warm_up()  # before any push: compiling a kernel is not a step's cost (own_cpu_s)
         self._ctx = context or zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 1000)

@@ -28,7 +28,7 @@ import zmq
 
 from .config import Config
 from .errors import LocalProtocolError, PeerLost, RemoteProtocolError, StepTimeout
-from .kernels import to_bfloat16
+from .kernels import to_bfloat16, warm_up
 from .lossmodel import dropped_slots
 from .memory import ResidualMemory
 from .partition import BlockLayout, FragmentLayout, Part, fragment_elems, plan_parts
@@ -197,6 +197,7 @@ class Worker:
             raise LocalProtocolError(f"DGT_SERVER_ADDRS={config.server_addrs!r}: a worker needs "
                                      "the servers' real ports, not 0")
         self._addrs = addrs
+        warm_up()  # before any step: compiling a kernel is no step's cost
         self._ctx = context or zmq.Context.instance()
         self._inflight: Dict[tuple, _Inflight] = {}
         self._inflight_lock = threading.Lock()

@@ -311,9 +311,12 @@ def train(model: str, argv=None) -> dict:
                           "loss": float(np.mean(losses[-args.log_every:]))}
                 counters = dgt_counters(kv)
                 if counters:
+                    # Running totals: a reader takes per-step differences (dgt_cpu_ms: the
+                    # median of them leaves out one-time costs such as compiling the kernels).
                     record.update(k=counters["k"], bytes_per_channel=counters["bytes_per_channel"],
                                   udp_expected=counters["udp_expected"],
-                                  udp_lost=counters["udp_lost"])
+                                  udp_lost=counters["udp_lost"], dgt_cpu_ms=counters["cpu_ms"],
+                                  dgt_steps=counters["steps"])
                 curve.write(record)
             if rank == 0 and args.eval_every and step % args.eval_every == 0 \
                     and step < total_steps:

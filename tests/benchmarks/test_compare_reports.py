@@ -39,6 +39,21 @@ def test_summarise_curve_measures_steps_and_time_to_target(tmp_path):
     assert summarise_curve(str(curve), target=0.9, warmup=3)["time_to_target_s"] is None
 
 
+def test_worker_cpu_is_the_median_per_counted_step_after_the_warmup(tmp_path):
+    """Running totals in the step records: a compile in step 2 and a step dgt recorded late
+    (two counted at once) do not move the median, which the run's mean (12.5) would."""
+    cpu = {1: 0, 2: 900, 3: 910, 4: 920, 5: 930, 6: 950, 7: 960, 8: 970, 9: 980, 10: 990}
+    counted = {1: 0, 2: 1, 3: 2, 4: 3, 5: 4, 6: 6, 7: 7, 8: 8, 9: 9, 10: 10}
+    lines = [{"event": "step", "step": s, "train_time_s": s * 0.5, "dgt_cpu_ms": cpu[s],
+              "dgt_steps": counted[s]} for s in range(1, 11)]
+    lines.append({"event": "summary", "steps": 10, "dgt_cpu_ms_per_step": 99.0})
+    curve = tmp_path / "c.jsonl"
+    curve.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    # steps 4..10 after warmup 3: 10, 10, 20/2, 10, 10, 10, 10 ms per counted step
+    assert summarise_curve(str(curve), 0.6, warmup=3)["worker_cpu_ms"] == pytest.approx(10.0)
+    assert summarise_curve(str(curve), 0.6, warmup=1)["worker_cpu_ms"] == pytest.approx(10.0)
+
+
 def test_reports_are_written_with_every_column(tmp_path):
     args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
                               results_dir=str(tmp_path))

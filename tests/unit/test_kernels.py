@@ -147,3 +147,35 @@ def test_datagram_rows_bfloat16_round_each_payload(rng):
         assert out[r, 5:].tobytes() == values[start:start + 16].astype(BFLOAT16).tobytes()
     with pytest.raises(ValueError, match="outside the source"):
         datagram_rows_bfloat16_(out, headers, values, np.array([0, 49, 7]))
+
+
+def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
+    """After warm_up, a worker's push path and a server's merge of read-only frames (float32
+    and bfloat16) compile nothing more: no step pays for compiling."""
+    from dgt import kernels
+    from dgt.partition import FragmentLayout
+    from dgt.scoring import ContributionState, score_blocks
+    from dgt.wire import Header, MsgType, frame_datagrams
+
+    kernels.warm_up()
+    dispatchers = {name: getattr(kernels, name) for name in dir(kernels)
+                   if hasattr(getattr(kernels, name), "signatures")}
+    assert len(dispatchers) >= 8
+    before = {name: set(d.signatures) for name, d in dispatchers.items()}
+    layout = FragmentLayout(BlockLayout(5000, 1024), 256)
+    values = rng.standard_normal(5000).astype(np.float32)
+    score_blocks(ContributionState(0.3), 0, layout.blocks, values)
+    reliable = np.array([0, 2, 4], dtype=np.uint32)
+    slots = layout.slots_of_blocks(np.array([1, 3]))
+    base = Header(MsgType.DATA, dtype=1, n_elems=5000, block_elems=1024, frag_elems=256)
+    channels = np.array([0, 1, 0, 2, 0], np.uint8)
+    for wire in (np.dtype(np.float32), BFLOAT16):
+        payload = layout.blocks.gather(values, reliable, out=np.empty(5000, wire))
+        frame_datagrams(base, layout, values, channels, slots, wire)
+        frame = np.frombuffer(payload.tobytes(), dtype=wire)  # read-only, as from ZeroMQ
+        padded = np.zeros(layout.blocks.padded_elems, np.float32)
+        layout.blocks.scatter_set_(padded, reliable, frame)
+        layout.blocks.scatter_add_(padded, reliable, frame)
+        to_bfloat16(padded, np.empty(padded.size, BFLOAT16))
+    compiled = {name: set(d.signatures) - before[name] for name, d in dispatchers.items()}
+    assert not any(compiled.values()), compiled
