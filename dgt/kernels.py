@@ -32,7 +32,7 @@ from numba import njit
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 __all__ = ["block_abs_sums", "blocks_into_", "datagram_rows_", "datagram_rows_bfloat16_",
-           "gather_bfloat16_", "to_bfloat16", "warm_up"]
+           "gather_bfloat16_", "rows_add_", "to_bfloat16", "warm_up"]
 
 # Reassociation lets the compiler keep several partial sums in vector registers; the flags
 # that assume no NaN or infinity are left out, so a NaN gradient still gives a NaN score.
@@ -174,6 +174,51 @@ def blocks_into_(padded: np.ndarray, blocks: np.ndarray, block_elems: int, n_ele
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _float32_rows_add(acc, starts, stops, rows):  # pragma: no cover - compiled
+    for r in range(rows.shape[0]):
+        target, row = acc[starts[r]:stops[r]], rows[r]
+        for i in range(target.size):
+            target[i] += row[i]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _bfloat16_rows_add(acc, starts, stops, bits):  # pragma: no cover - compiled
+    widened = np.empty(bits.shape[1], np.uint32)
+    as_float = widened.view(np.float32)
+    for r in range(bits.shape[0]):
+        target, row = acc[starts[r]:stops[r]], bits[r]
+        for i in range(target.size):
+            widened[i] = np.uint32(row[i]) << np.uint32(16)
+        for i in range(target.size):
+            target[i] += as_float[i]
+
+
+def rows_add_(acc: np.ndarray, starts: np.ndarray, stops: np.ndarray, rows: np.ndarray) -> bool:
+    """Add ``rows[r, :stops[r] - starts[r]]`` (float32 or bfloat16; rows may be strided views
+    of a receive buffer) into the float32 ``acc[starts[r]:stops[r]]``, row by row in one
+    pass: a server merging a batch of datagrams.  Ranges must not overlap (a batch's slots
+    are unique).  Returns False, having done nothing, for any other dtypes or shapes."""
+    if acc.dtype != np.float32 or acc.ndim != 1 or not acc.flags.c_contiguous \
+            or rows.ndim != 2 or (rows.shape[0] and rows.strides[1] != rows.itemsize):
+        return False
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    if len(starts) != rows.shape[0] or len(stops) != rows.shape[0]:
+        return False
+    if rows.shape[0] and (starts.min() < 0 or stops.max() > acc.size
+                          or (stops - starts).max() > rows.shape[1]
+                          or (stops - starts).min() < 0):
+        raise ValueError("rows_add_: a row's range lies outside the accumulator or the row")
+    if rows.dtype == np.float32:
+        _float32_rows_add(acc, starts, stops, rows)
+    elif rows.dtype == _BFLOAT16:
+        _bfloat16_rows_add(acc, starts, stops, rows.view(np.uint16))
+    else:
+        return False
+    return True
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _datagram_rows(headers, source, starts, out):  # pragma: no cover - compiled
     header_bytes = headers.shape[1]
     payload_bytes = out.shape[1] - header_bytes
@@ -263,6 +308,13 @@ def warm_up() -> None:
         for add in (False, True):
             blocks_into_(padded, blocks, 64, 128, payload, add)
     gather_bfloat16_(np.empty(128, _BFLOAT16), values, blocks, 64)
+    # A server's datagram rows: strided views of its receive buffer, contiguous in tests.
+    buffer = np.zeros((2, 4 + 2 * 32 * 4), np.uint8)
+    for dtype in (np.float32, _BFLOAT16):
+        width = 32 * 4 // np.dtype(dtype).itemsize
+        strided = buffer[:, 4:4 + width * np.dtype(dtype).itemsize].view(dtype)
+        for rows in (strided, np.ascontiguousarray(strided)):
+            rows_add_(padded, np.array([0, 32]), np.array([32, 64]), rows)
     headers = np.zeros((2, 4), np.uint8)
     datagram_rows_(np.empty((2, 4 + 64), np.uint8), headers, values.view(np.uint8),
                    np.array([0, 64]))

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .kernels import to_bfloat16
+from .kernels import rows_add_, to_bfloat16
 from .partition import BlockLayout, FragmentLayout
 from .wire import BFLOAT16, Header, chunk_elems, code_dtype, is_float_dtype
 
@@ -380,6 +380,8 @@ class StepMerger:
         if not len(slots):
             return
         starts, stops = layout.slot_ranges(slots)
+        if rows_add_(open_step.acc, starts, stops, rows):  # float32/bfloat16: one pass
+            return
         fe = layout.frag_elems
         whole = (stops - starts == fe) & (starts % fe == 0) & (lengths == fe)
         acc_rows = open_step.acc[:(open_step.acc.size // fe) * fe].reshape(-1, fe)

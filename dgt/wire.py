@@ -437,8 +437,8 @@ _PUSH_FIELDS = ("rank", "key", "part", "step", "dtype", "n_elems", "block_elems"
 
 
 def header_runs(headers: np.ndarray, index: np.ndarray) -> List[np.ndarray]:
-    """``index`` (rows of ``headers``, a HEADER_DTYPE array) cut into runs of datagrams of
-    the same push, in order.
+    """``index`` (ascending rows of ``headers``, a HEADER_DTYPE array) cut into runs of
+    datagrams of the same push, in order.
 
     Datagrams of one push arrive in long runs (a sender hands the kernel up to 60 per call),
     so the server merges run by run; a push split over several runs is merged in several
@@ -447,10 +447,11 @@ def header_runs(headers: np.ndarray, index: np.ndarray) -> List[np.ndarray]:
     """
     if len(index) == 0:
         return []
-    picked = headers[index]
+    every_row = len(index) == len(headers) and index[0] == 0 and index[-1] == len(headers) - 1
     starts = np.zeros(len(index), dtype=bool)
     starts[0] = True
     for name in _PUSH_FIELDS:
-        column = picked[name]
+        # Column by column: fancy-indexing the structured array itself costs 20x more.
+        column = headers[name] if every_row else headers[name][index]
         starts[1:] |= column[1:] != column[:-1]
     return np.split(index, np.flatnonzero(starts)[1:])

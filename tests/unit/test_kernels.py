@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from dgt.kernels import (block_abs_sums, blocks_into_, datagram_rows_,
-                         datagram_rows_bfloat16_, gather_bfloat16_, to_bfloat16)
+                         datagram_rows_bfloat16_, gather_bfloat16_, rows_add_, to_bfloat16)
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
 
@@ -177,5 +177,38 @@ def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
         layout.blocks.scatter_set_(padded, reliable, frame)
         layout.blocks.scatter_add_(padded, reliable, frame)
         to_bfloat16(padded, np.empty(padded.size, BFLOAT16))
+        # A server's batch: rows are strided views of its receive buffer.
+        buffer = np.zeros((4, 2048), np.uint8)
+        width = (2048 - 64) // wire.itemsize
+        received = buffer[1:3, 64:64 + width * wire.itemsize].view(wire)
+        rows_add_(padded, np.array([0, 256]), np.array([256, 512]), received)
     compiled = {name: set(d.signatures) - before[name] for name, d in dispatchers.items()}
     assert not any(compiled.values()), compiled
+
+
+@pytest.mark.parametrize("wire", [np.dtype(np.float32), BFLOAT16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rows_add_adds_each_row_over_its_range(rng, wire, strided):
+    acc = rng.standard_normal(1000).astype(np.float32)
+    expected = acc.astype(np.float64)
+    starts = np.array([0, 300, 700, 996])
+    stops = np.array([256, 556, 956, 1000])  # the last row is short: a tensor's last block
+    buffer = np.zeros((4, 8 + 256 * wire.itemsize), np.uint8)
+    rows = buffer[:, 8:].view(wire) if strided else np.zeros((4, 256), wire)
+    rows[...] = rng.standard_normal((4, 256)).astype(np.float32).astype(wire)
+    for r in range(4):
+        expected[starts[r]:stops[r]] += rows[r, :stops[r] - starts[r]].astype(np.float64)
+    assert rows_add_(acc, starts, stops, rows)
+    np.testing.assert_allclose(acc, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_add_refuses_ranges_outside_and_leaves_other_dtypes_to_numpy():
+    acc = np.zeros(100, np.float32)
+    rows = np.ones((1, 10), np.float32)
+    with pytest.raises(ValueError, match="outside"):
+        rows_add_(acc, np.array([95]), np.array([105]), rows)
+    with pytest.raises(ValueError, match="outside"):
+        rows_add_(acc, np.array([0]), np.array([20]), rows)  # longer than the row
+    assert not rows_add_(acc, np.array([0]), np.array([10]), rows.astype(np.float16))
+    assert not rows_add_(acc.astype(np.float64), np.array([0]), np.array([10]), rows)
+    assert (acc == 0).all()
