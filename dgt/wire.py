@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -375,7 +375,7 @@ class Datagrams(NamedTuple):
 
 def frame_datagrams(base: Header, layout: FragmentLayout, values: np.ndarray,
                     channels: np.ndarray, slots: np.ndarray,
-                    wire_dtype: np.dtype = None) -> Datagrams:
+                    wire_dtype: Optional[np.dtype] = None) -> Datagrams:
     """The DATA datagrams of fragment ``slots`` (in sending order) of one part's ``values``,
     each block on its ``channels[block]``, with payloads in ``wire_dtype`` (by default the
     values' own; float32 values are rounded to bfloat16 on the way into the rows).

@@ -131,6 +131,11 @@ def test_header_runs_cut_at_every_change_of_push_and_cover_each_row_once():
     for left, right in zip(runs, runs[1:]):
         assert owner[left[-1]] != owner[right[0]]  # maximal runs
     assert header_runs(headers, index[:0]) == []
+    every = np.arange(len(owner))  # every row valid: the columns are compared unindexed
+    whole = header_runs(headers, every)
+    assert np.array_equal(np.concatenate(whole), every)
+    assert [owner[r[0]] for r in whole] == [owner[i] for i in range(len(owner))
+                                            if i == 0 or owner[i] != owner[i - 1]]
 
 
 def test_split_blocks_then_decode_blocks_round_trips_across_frames(rng):
