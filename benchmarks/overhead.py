@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dgt.config import Config  # noqa: E402
-from dgt.kernels import to_bfloat16  # noqa: E402
+from dgt.kernels import cast  # noqa: E402
 from dgt.memory import ResidualMemory  # noqa: E402
 from dgt.merge import StepMerger  # noqa: E402
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
@@ -47,7 +47,7 @@ def model_shapes(name: str):
 
 def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0.0, rng=None):
     worker_s = server_s = 0.0
-    # DGT_WIRE_DTYPE=bfloat16: what travels is cast once per part (timed with the worker).
+    # DGT_WIRE_DTYPE=bfloat16: what travels is rounded on the way (timed with the worker).
     wire = BFLOAT16 if config.wire_dtype == "bfloat16" else np.dtype(np.float32)
     code, itemsize = dtype_code(wire), wire.itemsize
     for key, grad in enumerate(grads):
@@ -60,8 +60,7 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
             began = time.perf_counter()
             for rank in range(rank_count):
                 memory, scores, scratch = states[rank]
-                buffers = scratch.setdefault((key, part.index), (
-                    np.empty(part.n_elems, wire), np.empty(part.n_elems, wire)))
+                gathered = scratch.setdefault((key, part.index), np.empty(part.n_elems, wire))
                 compensated = (memory.compensate((key, part.index), values)
                                if config.error_feedback else values)
                 if blocks.n_blocks > 1:
@@ -70,23 +69,23 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 else:
                     channels = np.zeros(1, dtype=np.uint8)
                 reliable = np.flatnonzero(channels == 0)
-                sent = compensated
-                if wire != compensated.dtype:
-                    sent = to_bfloat16(compensated, buffers[1])
-                payload = blocks.gather(sent, reliable, out=buffers[0])
+                # As the worker does: the cast to the wire dtype happens on the way into the
+                # payload (`gathered` is in the wire dtype) and into the datagram rows.
+                payload = blocks.gather(compensated, reliable, out=gathered)
                 udp = np.flatnonzero(channels)
                 udp = udp[np.argsort(channels[udp], kind="stable")]
                 slots = layout.slots_of_blocks(udp)
                 base = Header(MsgType.DATA, rank=rank, dtype=code, key=key, part=part.index,
                               step=step, n_elems=part.n_elems, block_elems=config.block_elems,
                               frag_elems=fe)
-                frame_datagrams(base, layout, sent, channels, slots)
-                pushes.append((reliable, payload, sent, slots))
+                frame_datagrams(base, layout, compensated, channels, slots, wire)
+                pushes.append((reliable, payload, compensated, slots))
             worker_s += (time.perf_counter() - began) / rank_count
             # What the server receives: the datagrams' payloads as rows of fragments (built
             # here, untimed, as the socket layer hands them over).
             received = []
-            for reliable, payload, sent, slots in pushes:
+            for reliable, payload, compensated, slots in pushes:
+                sent = cast(compensated, wire)
                 block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
                 starts, stops = layout.slot_ranges(slots)
                 rows = np.zeros((len(slots), fe), wire)

@@ -31,7 +31,7 @@ from numba import njit
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
-__all__ = ["block_abs_sums", "blocks_into_", "datagram_rows_", "datagram_rows_bfloat16_",
+__all__ = ["block_abs_sums", "blocks_into_", "cast", "datagram_rows_", "datagram_rows_bfloat16_",
            "gather_bfloat16_", "rows_add_", "to_bfloat16", "warm_up"]
 
 # Reassociation lets the compiler keep several partial sums in vector registers; the flags
@@ -91,6 +91,21 @@ def to_bfloat16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
         _to_bfloat16_bits(values.view(np.uint32), out.view(np.uint16))
     else:
         np.copyto(out, values, casting="unsafe")
+    return out
+
+
+def cast(values: np.ndarray, dtype, out: np.ndarray = None) -> np.ndarray:
+    """``values`` in ``dtype``, into ``out`` when given (same size); without ``out``, the same
+    array when it already is of ``dtype``.  float32 to bfloat16 takes the compiled rounding;
+    every other pair numpy's cast (``casting="unsafe"``, ml_dtypes' for bfloat16)."""
+    dtype = np.dtype(dtype)
+    if out is None:
+        if values.dtype == dtype:
+            return values
+        out = np.empty(values.shape, dtype)
+    if dtype == _BFLOAT16:
+        return to_bfloat16(values, out)
+    np.copyto(out, values, casting="unsafe")
     return out
 
 

@@ -38,9 +38,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .kernels import rows_add_, to_bfloat16
+from .kernels import cast, rows_add_
 from .partition import BlockLayout, FragmentLayout
-from .wire import BFLOAT16, Header, chunk_elems, code_dtype, is_float_dtype
+from .wire import Header, chunk_elems, code_dtype, is_float_dtype
 
 __all__ = ["StepMerger", "ClosedStep", "PartSpec", "Outcome"]
 
@@ -443,10 +443,7 @@ class StepMerger:
             missing = valid & ~delivered
         wire_dtype = code_dtype(state.spec.dtype_code)
         total = open_step.acc[:layout.blocks.n_elems]
-        if wire_dtype == BFLOAT16 and total.dtype == np.float32:
-            merged = to_bfloat16(total, np.empty(total.size, BFLOAT16))
-        else:
-            merged = total.astype(wire_dtype, copy=False)
+        merged = cast(total, wire_dtype)
         late = open_step.late_in + state.late_dropped
         state.late_dropped = np.zeros(self.num_workers, dtype=np.int64)
         del state.steps[open_step.step]

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from .kernels import blocks_into_, gather_bfloat16_
+from .kernels import blocks_into_, cast, gather_bfloat16_
 from .splitmix import GOLDEN, mix64
 
 __all__ = ["BlockLayout", "FragmentLayout", "Part", "home_server", "plan_parts", "fragment_elems"]
@@ -138,7 +138,7 @@ class BlockLayout:
         if out is not None and out.dtype != flat.dtype:
             result = out[:self.payload_elems(blocks)]
             if not gather_bfloat16_(result, flat, blocks, self.block_elems):
-                np.copyto(result, self.gather(flat, blocks), casting="unsafe")
+                cast(self.gather(flat, blocks), result.dtype, out=result)
             return result
         last = self.n_blocks - 1
         full = blocks[blocks < last]

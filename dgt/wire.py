@@ -61,7 +61,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .kernels import datagram_rows_, datagram_rows_bfloat16_
+from .kernels import cast, datagram_rows_, datagram_rows_bfloat16_
 from .partition import BlockLayout, FragmentLayout
 
 __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_blocks",
@@ -387,7 +387,7 @@ def frame_datagrams(base: Header, layout: FragmentLayout, values: np.ndarray,
     wire_dtype = values.dtype if wire_dtype is None else np.dtype(wire_dtype)
     if wire_dtype != values.dtype and not (wire_dtype == BFLOAT16
                                            and values.dtype == np.float32):
-        values = values.astype(wire_dtype)  # no such pair is sent today; kept correct anyway
+        values = cast(values, wire_dtype)  # no such pair is sent today; kept correct anyway
     block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
     starts, stops = layout.slot_ranges(slots)
     chans = channels[block_ids]
@@ -406,7 +406,7 @@ def frame_datagrams(base: Header, layout: FragmentLayout, values: np.ndarray,
                        starts[rows_at] * values.dtype.itemsize)
     else:
         datagram_rows_bfloat16_(rows, header_rows[rows_at], values, starts[rows_at])
-    odd_payloads = [values[start:stop].astype(wire_dtype).view(np.uint8)
+    odd_payloads = [cast(values[start:stop], wire_dtype).view(np.uint8)
                     for start, stop in zip(starts[odd].tolist(), stops[odd].tolist())]
     return Datagrams(rows, chans[rows_at], header_rows[odd].tobytes(), chans[odd], odd_payloads)
 

@@ -28,7 +28,7 @@ import zmq
 
 from .config import Config
 from .errors import LocalProtocolError, PeerLost, RemoteProtocolError, StepTimeout
-from .kernels import to_bfloat16, warm_up
+from .kernels import cast, warm_up
 from .lossmodel import dropped_slots
 from .memory import ResidualMemory
 from .partition import BlockLayout, FragmentLayout, Part, fragment_elems, plan_parts
@@ -537,7 +537,7 @@ class Worker:
         """``values`` in the wire dtype (the same array when no cast is needed)."""
         if scratch.wire is None:
             return values
-        return to_bfloat16(values, scratch.wire)  # the only other wire dtype; nearest even
+        return cast(values, scratch.wire.dtype, out=scratch.wire)
 
     def _scratch(self, ident, values: np.ndarray, wire_dtype: np.dtype) -> "_Scratch":
         """Per-part buffers reused every step: fresh arrays of this size would page-fault on

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dgt.kernels import (block_abs_sums, blocks_into_, datagram_rows_,
+from dgt.kernels import (block_abs_sums, blocks_into_, cast, datagram_rows_,
                          datagram_rows_bfloat16_, gather_bfloat16_, rows_add_, to_bfloat16)
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
@@ -212,3 +212,15 @@ def test_rows_add_refuses_ranges_outside_and_leaves_other_dtypes_to_numpy():
     assert not rows_add_(acc, np.array([0]), np.array([10]), rows.astype(np.float16))
     assert not rows_add_(acc.astype(np.float64), np.array([0]), np.array([10]), rows)
     assert (acc == 0).all()
+
+
+def test_cast_is_the_one_cast_of_every_wire_dtype(rng):
+    values = (rng.standard_normal(3000) * 1e3).astype(np.float32)
+    assert cast(values, np.float32) is values  # nothing to do: the same array
+    rounded = cast(values, BFLOAT16)
+    assert np.array_equal(rounded.view(np.uint16), values.astype(BFLOAT16).view(np.uint16))
+    out = np.empty(3000, np.float16)
+    assert cast(values, np.float16, out=out) is out
+    np.testing.assert_array_equal(out, values.astype(np.float16))
+    widened = cast(rounded, np.float32)  # bfloat16 back to float32: numpy's (exact) cast
+    np.testing.assert_array_equal(widened, rounded.astype(np.float32))
