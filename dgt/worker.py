@@ -162,8 +162,7 @@ class _Inflight:
 @dataclass
 class _Scratch:
     compensated: np.ndarray
-    gathered: np.ndarray
-    wire: Optional[np.ndarray] = None  # the part in the wire dtype, when that differs
+    gathered: np.ndarray  # in the wire dtype: the reliable blocks, or the whole part cast
 
 
 @dataclass
@@ -475,7 +474,8 @@ class Worker:
             self._hold(stats)  # until its reply is counted (or it fails)
             header = base._replace(flags=FLAG_ALL_RELIABLE, block=blocks.n_blocks)
             everything = np.arange(blocks.n_blocks)
-            payload = self._to_wire(values, scratch)
+            payload = values if wire_dtype == values.dtype \
+                else cast(values, wire_dtype, out=scratch.gathered)
             self._send(part.server, [encode_header(header),
                                      *split_blocks(blocks, everything, payload)], priority)
             self._count(stats, 0, blocks.n_blocks, payload.nbytes)
@@ -532,13 +532,6 @@ class Worker:
             return BFLOAT16
         return np.dtype(dtype)
 
-    @staticmethod
-    def _to_wire(values: np.ndarray, scratch: "_Scratch") -> np.ndarray:
-        """``values`` in the wire dtype (the same array when no cast is needed)."""
-        if scratch.wire is None:
-            return values
-        return cast(values, scratch.wire.dtype, out=scratch.wire)
-
     def _scratch(self, ident, values: np.ndarray, wire_dtype: np.dtype) -> "_Scratch":
         """Per-part buffers reused every step: fresh arrays of this size would page-fault on
         every touch (tens of ms for a 64 MB tensor).  A buffer is reused only when the next
@@ -548,8 +541,7 @@ class Worker:
         if scratch is None or scratch.compensated.shape != values.shape \
                 or scratch.compensated.dtype != values.dtype \
                 or scratch.gathered.dtype != wire_dtype:
-            wire = None if wire_dtype == values.dtype else np.empty(values.shape, wire_dtype)
-            scratch = _Scratch(np.empty_like(values), np.empty(values.shape, wire_dtype), wire)
+            scratch = _Scratch(np.empty_like(values), np.empty(values.shape, wire_dtype))
             self._scratches[ident] = scratch
         return scratch
 
