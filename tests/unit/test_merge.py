@@ -314,3 +314,28 @@ def test_the_first_push_overrules_the_layout_of_datagrams_that_overtook_it():
     with pytest.raises(RemoteProtocolError, match="differs from the layout"):
         merger.add_push(odd._replace(type=MsgType.PUSH, rank=0, step=1, block=0),
                         np.empty(0, np.int64), [], 0.0)
+
+
+@pytest.mark.parametrize("dtype_code,dtype", [(1, np.float32), (2, np.float16)])
+def test_datagram_rows_of_every_dtype_add_up_to_the_sum(dtype_code, dtype):
+    """float32 rows take the compiled add, float16 ones numpy's (the only path left to it),
+    short last fragments included: both give the exact sum of what was sent."""
+    merger = StepMerger(2, receive_mode="drop", grace_s=0.0)
+    expected = np.zeros(N)
+    slots = LAYOUT.slots_of_blocks(np.array([1, 2]))  # every fragment; block 2 ends short
+    blocks, frags = np.divmod(slots, 3)
+    starts, stops = LAYOUT.slot_ranges(slots)
+    for rank in range(2):
+        values = (np.arange(N) % 64 * (rank + 1)).astype(dtype)  # exact in float16
+        header = Header(MsgType.PUSH, rank=rank, dtype=dtype_code, key=1, step=0, n_elems=N,
+                        block_elems=B, frag_elems=FE, block=1, udp_expected=len(slots))
+        merger.add_push(header, np.array([0]), [values[:B]], 0.0)
+        rows = np.zeros((len(slots), FE), dtype)
+        for i, (a, b) in enumerate(zip(starts, stops)):
+            rows[i, :b - a] = values[a:b]
+        merger.add_fragments(header._replace(type=MsgType.DATA), blocks, frags, rows,
+                             stops - starts)
+        merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
+        expected += values.astype(np.float64)
+    closed, = merger.poll(1.0)
+    np.testing.assert_array_equal(closed.total.astype(np.float64), expected)
