@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .kernels import cast, rows_add_
+from .kernels import cast, merge_rows_, rows_add_
 from .partition import BlockLayout, FragmentLayout
 from .wire import Header, chunk_elems, code_dtype, is_float_dtype
 
@@ -338,8 +338,28 @@ class StepMerger:
             tally(Outcome.MISMATCH if known else Outcome.STALE, count)
             return
         layout = state.layout
-        slots = blocks * layout.frags_per_block + frags
         step = header.step
+        if step == state.last_closed + 1:  # the usual case: the open step, one compiled call
+            open_step = self._open(state, step)
+            blocks_layout = layout.blocks
+            try:
+                merged = merge_rows_(open_step.acc, open_step.received[rank],
+                                     open_step.reliable[rank], blocks, frags,
+                                     layout.frags_per_block, blocks_layout.block_elems,
+                                     blocks_layout.n_elems, layout.frag_elems, rows)
+            except ValueError:  # indices outside the layout: dropped whole, nothing merged
+                tally(Outcome.MISMATCH, count)
+                return
+            if merged >= 0:
+                tally(Outcome.MERGED, merged)
+                tally(Outcome.DUPLICATE, count - merged)
+                self._candidates.add((header.key, header.part, step))
+                return
+        if count and (blocks.min() < 0 or blocks.max() >= layout.blocks.n_blocks
+                      or frags.min() < 0 or frags.max() >= layout.frags_per_block):
+            tally(Outcome.MISMATCH, count)  # as the compiled path: dropped whole
+            return
+        slots = blocks * layout.frags_per_block + frags
         # A slot repeated inside the batch counts once; the copies are duplicates.
         _, first = np.unique(slots, return_index=True)
         fresh = np.zeros(count, dtype=bool)

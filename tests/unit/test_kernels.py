@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from dgt.kernels import (block_abs_sums, blocks_into_, cast, datagram_rows_,
-                         datagram_rows_bfloat16_, gather_bfloat16_, rows_add_, to_bfloat16)
+                         datagram_rows_bfloat16_, gather_bfloat16_, merge_rows_, rows_add_,
+                         to_bfloat16)
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
 
@@ -182,6 +183,11 @@ def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
         width = (2048 - 64) // wire.itemsize
         received = buffer[1:3, 64:64 + width * wire.itemsize].view(wire)
         rows_add_(padded, np.array([0, 256]), np.array([256, 512]), received)
+        marks = np.zeros((2, layout.n_slots), bool)  # rows of a merger's (W, n) masks
+        sent = np.zeros((2, layout.blocks.n_blocks), bool)
+        run_blocks = np.array([1, 1, 3], np.int64)[:2]  # a sliced column, as the server's
+        merge_rows_(padded, marks[1], sent[1], run_blocks, np.array([0, 1], np.int64),
+                    layout.frags_per_block, 1024, 5000, 256, received)
     compiled = {name: set(d.signatures) - before[name] for name, d in dispatchers.items()}
     assert not any(compiled.values()), compiled
 
@@ -224,3 +230,74 @@ def test_cast_is_the_one_cast_of_every_wire_dtype(rng):
     np.testing.assert_array_equal(out, values.astype(np.float16))
     widened = cast(rounded, np.float32)  # bfloat16 back to float32: numpy's (exact) cast
     np.testing.assert_array_equal(widened, rounded.astype(np.float32))
+
+
+def _numpy_merge_rows(acc, received, reliable, blocks, frags, layout, rows):
+    """The merger's numpy path: dedupe the run, mask, mark, add; returns how many merged."""
+    slots = blocks * layout.frags_per_block + frags
+    _, first = np.unique(slots, return_index=True)
+    fresh = np.zeros(len(slots), bool)
+    fresh[first] = True
+    fresh &= ~received[slots] & ~reliable[blocks]
+    received[slots[fresh]] = True
+    starts, stops = layout.slot_ranges(slots[fresh])
+    for row, start, stop in zip(rows[fresh], starts, stops):
+        acc[start:stop] += row[:stop - start].astype(acc.dtype)
+    return int(fresh.sum())
+
+
+@pytest.mark.parametrize("wire", [np.dtype(np.float32), BFLOAT16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_merge_rows_claims_fresh_slots_and_adds_them_as_the_numpy_path(rng, wire, strided):
+    """A run with a slot repeated inside it, slots already merged, a block that came
+    reliably and the part's short last fragment: the same sum, marks and count as numpy's."""
+    from dgt.partition import FragmentLayout
+    layout = FragmentLayout(BlockLayout(5000, 1024), 256)  # last block: 904 elements
+    blocks = np.array([0, 0, 1, 2, 2, 4, 4, 3, 0], np.int64)
+    frags = np.array([0, 1, 3, 2, 0, 3, 0, 1, 1], np.int64)  # (0, 1) twice; (4, 3) is short
+    received = np.zeros(layout.n_slots, bool)
+    received[2 * layout.frags_per_block + 2] = True  # (2, 2) already merged
+    reliable = np.zeros(layout.blocks.n_blocks, bool)
+    reliable[3] = True
+    buffer = np.zeros((len(blocks), 16 + 256 * wire.itemsize), np.uint8)
+    rows = buffer[:, 16:].view(wire) if strided else np.zeros((len(blocks), 256), wire)
+    rows[...] = rng.standard_normal(rows.shape).astype(np.float32).astype(wire)
+    acc = rng.standard_normal(layout.blocks.padded_elems).astype(np.float32)
+    want_acc, want_received = acc.astype(np.float64), received.copy()
+    want = _numpy_merge_rows(want_acc, want_received, reliable, blocks, frags, layout, rows)
+    got = merge_rows_(acc, received, reliable, blocks, frags, layout.frags_per_block, 1024,
+                      5000, 256, rows)
+    assert got == want == 6
+    np.testing.assert_array_equal(received, want_received)
+    np.testing.assert_allclose(acc, want_acc, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_rows_refuses_indices_outside_the_layout_and_changes_nothing():
+    acc = np.zeros(2048, np.float32)
+    received, reliable = np.zeros(8, bool), np.zeros(2, bool)
+    rows = np.ones((2, 256), np.float32)
+    good = np.array([0, 0], np.int64)
+    for blocks, frags in ((np.array([0, 2], np.int64), good),  # block 2 of 2
+                          (good, np.array([1, 4], np.int64)),  # fragment 4 of 4
+                          (good, np.array([0, -1], np.int64))):
+        with pytest.raises(ValueError, match="outside"):
+            merge_rows_(acc, received, reliable, blocks, frags, 4, 1024, 2048, 256, rows)
+    with pytest.raises(ValueError, match="outside"):  # a fragment longer than its row
+        merge_rows_(acc, received, reliable, good, np.array([0, 1], np.int64), 4, 1024, 2048,
+                    256, rows[:, :100])
+    assert not received.any() and not acc.any()
+
+
+def test_merge_rows_leaves_other_dtypes_to_numpy():
+    acc = np.zeros(2048, np.float32)
+    received, reliable = np.zeros(8, bool), np.zeros(2, bool)
+    blocks = frags = np.array([0], np.int64)
+    rows = np.ones((1, 256), np.float32)
+    args = (4, 1024, 2048, 256)
+    assert merge_rows_(acc, received, reliable, blocks, frags, *args,
+                       rows.astype(np.float16)) == -1
+    assert merge_rows_(acc.astype(np.float64), received, reliable, blocks, frags, *args,
+                       rows) == -1
+    assert merge_rows_(acc, received, reliable, blocks.astype(np.int32), frags, *args,
+                       rows) == -1
+    assert not received.any() and not acc.any()
