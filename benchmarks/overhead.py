@@ -45,7 +45,8 @@ def model_shapes(name: str):
     return [p.shape for _, p in sorted(net.collect_params().items())]
 
 
-def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0.0, rng=None):
+def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0.0, rng=None,
+             run_datagrams=60):
     worker_s = server_s = 0.0
     # DGT_WIRE_DTYPE=bfloat16: what travels is rounded on the way (timed with the worker).
     wire = BFLOAT16 if config.wire_dtype == "bfloat16" else np.dtype(np.float32)
@@ -108,8 +109,14 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 merger.add_push(header, reliable, chunks, 0.0)
                 arrived = (rng.random(len(block_ids)) >= udp_loss) if udp_loss else slice(None)
                 if len(block_ids):
-                    merger.add_fragments(header._replace(type=MsgType.DATA), block_ids[arrived],
-                                         frag_ids[arrived], rows[arrived], lengths[arrived])
+                    # Run by run, as the server sees them: one sender's GSO call at a time.
+                    data = header._replace(type=MsgType.DATA)
+                    ids, frags = block_ids[arrived], frag_ids[arrived]
+                    run_rows, run_lengths = rows[arrived], lengths[arrived]
+                    for lo in range(0, len(ids), run_datagrams):
+                        run = slice(lo, lo + run_datagrams)
+                        merger.add_fragments(data, ids[run], frags[run], run_rows[run],
+                                             run_lengths[run])
                     merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
             closed = merger.poll(0.0)
             assert closed, "the step should close once everything arrived"
@@ -139,9 +146,14 @@ def main() -> int:
     parser.add_argument("--udp-loss", type=float, default=0.0,
                         help="share of datagrams lost (seeded), 0..1: at the testbed's 90 %% "
                              "the summing server's replies become sparse")
+    parser.add_argument("--run-datagrams", type=int, default=60,
+                        help="datagrams per merge call (default 60: a worker hands the kernel "
+                             "up to 60 per GSO call, and a server merges run by run)")
     args = parser.parse_args()
     if not 0.0 <= args.udp_loss <= 1.0:
         parser.error(f"--udp-loss must be within 0..1 (got {args.udp_loss})")
+    if args.run_datagrams < 1:
+        parser.error(f"--run-datagrams must be at least 1 (got {args.run_datagrams})")
     config = Config.from_env()
     shapes = model_shapes(args.model)
     rng = np.random.default_rng(0)
@@ -152,7 +164,7 @@ def main() -> int:
                         error_feedback=config.error_feedback)
     loss_rng = np.random.default_rng(1)
     times = [one_step(config, shapes, grads, states, merger, step, args.workers, args.udp_loss,
-                      loss_rng)
+                      loss_rng, args.run_datagrams)
              for step in range(args.repeat + 1)][1:]
     accumulators = [np.empty_like(g) for g in grads]
     plain_ms = statistics.median(plain_sum_step(grads, accumulators, args.workers)
@@ -162,7 +174,8 @@ def main() -> int:
     params = sum(g.size for g in grads)
     print(f"{args.model}: {params / 1e6:.1f} M parameters, k={config.threshold}, "
           f"{args.workers} workers, error feedback {'on' if config.error_feedback else 'off'}, "
-          f"UDP loss {args.udp_loss:.0%}, wire dtype {config.wire_dtype} "
+          f"UDP loss {args.udp_loss:.0%}, wire dtype {config.wire_dtype}, "
+          f"{args.run_datagrams} datagrams per merge call "
           "(the defaults; DGT_* variables change them)")
     print(f"worker CPU per step (score, classify, frame): {worker_ms:7.1f} ms")
     print(f"server CPU per step (merge {args.workers} workers, close, frame the reply): "
