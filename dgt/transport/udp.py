@@ -6,11 +6,14 @@ it to what the kernel can take; it never raises into the caller for a transient 
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import logging
 import socket
 import struct
-from typing import List, Tuple
+import sys
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -26,6 +29,37 @@ UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
 GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS of older kernels
 GSO_MAX_BYTES = 65000  # one IP packet's worth before segmentation
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+
+
+# recvmmsg(2): a batch of datagrams in one system call, where the socket module offers one
+# recv per datagram (the loop cost a server about a tenth of its CPU).  Linux on 64-bit only:
+# the struct layouts below are those of LP64 (struct mmsghdr is a struct msghdr and the
+# datagram's length); elsewhere the receiver loops over recv_into.
+_IOVEC = np.dtype([("base", np.uintp), ("len", np.uintp)])
+_MMSGHDR = np.dtype([("name", np.uintp), ("namelen", np.uint32), ("pad0", np.uint32),
+                     ("iov", np.uintp), ("iovlen", np.uintp), ("control", np.uintp),
+                     ("controllen", np.uintp), ("flags", np.int32), ("pad1", np.int32),
+                     ("len", np.uint32), ("pad2", np.uint32)])
+MSG_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
+
+
+def _load_recvmmsg():
+    """libc's recvmmsg as a ctypes function, or None where it cannot be used."""
+    if not sys.platform.startswith("linux") or struct.calcsize("P") != 8 \
+            or _MMSGHDR.itemsize != 64 or _IOVEC.itemsize != 16:
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        function = libc.recvmmsg
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int,
+                         ctypes.c_void_p]
+    return function
+
+
+_RECVMMSG = _load_recvmmsg()
 
 
 def _set_buffer(sock: socket.socket, option: int, force_option: int, size: int) -> int:
@@ -126,6 +160,15 @@ class UdpReceiver:
         self.sizes = np.zeros(batch_rows, dtype=np.int64)
         self._row_views = [memoryview(row) for row in self.rows]
         self.oversized = 0
+        self._recvmmsg = _RECVMMSG
+        if self._recvmmsg is not None:  # one iovec per row, one message header per iovec
+            self._iovecs = np.zeros(batch_rows, dtype=_IOVEC)
+            self._iovecs["base"] = self.rows.ctypes.data + np.arange(batch_rows) * row_bytes
+            self._iovecs["len"] = row_bytes
+            self._messages = np.zeros(batch_rows, dtype=_MMSGHDR)
+            self._messages["iov"] = (self._iovecs.ctypes.data
+                                     + np.arange(batch_rows) * _IOVEC.itemsize)
+            self._messages["iovlen"] = 1
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -133,6 +176,30 @@ class UdpReceiver:
     def receive_batch(self) -> int:
         """Read up to ``len(self.rows)`` waiting datagrams; returns how many.  Datagram i is
         ``self.rows[i, :self.sizes[i]]``; one longer than a row is counted and skipped."""
+        if self._recvmmsg is None:
+            return self._receive_one_by_one()
+        while True:
+            # MSG_TRUNC: each length is the datagram's real one, even when it was cut.
+            count = self._recvmmsg(self.sock.fileno(), self._messages.ctypes.data,
+                                   len(self._messages), MSG_DONTWAIT | socket.MSG_TRUNC, None)
+            if count >= 0:
+                break
+            code = ctypes.get_errno()
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return 0
+            if code != errno.EINTR:  # a signal: try again at once; anything else is a fault
+                raise OSError(code, f"recvmmsg: {errno.errorcode.get(code, code)}")
+        lengths = self._messages["len"][:count].astype(np.int64)
+        fits = lengths <= self.rows.shape[1]
+        if not fits.all():  # rare: a foreign sender's oversized datagram, dropped and counted
+            self.oversized += int(count - fits.sum())
+            kept = np.flatnonzero(fits)
+            self.rows[:len(kept)] = self.rows[kept]
+            lengths, count = lengths[kept], len(kept)
+        self.sizes[:count] = lengths
+        return count
+
+    def _receive_one_by_one(self) -> int:
         recv_into = self.sock.recv_into
         sizes = self.sizes
         row_bytes = self.rows.shape[1]
