@@ -260,30 +260,6 @@ def _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems
     return fresh
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _merge_rows_float32(acc, received, reliable, blocks, frags, frags_per_block, block_elems,
-                        n_elems, frag_elems, rows):  # pragma: no cover - compiled
-    starts = np.empty(blocks.size, np.int64)
-    stops = np.empty(blocks.size, np.int64)
-    fresh = _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems,
-                         n_elems, frag_elems, rows.shape[1], acc.size, starts, stops)
-    if fresh > 0:
-        _float32_rows_add(acc, starts, stops, rows)
-    return fresh
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _merge_rows_bfloat16(acc, received, reliable, blocks, frags, frags_per_block, block_elems,
-                         n_elems, frag_elems, bits):  # pragma: no cover - compiled
-    starts = np.empty(blocks.size, np.int64)
-    stops = np.empty(blocks.size, np.int64)
-    fresh = _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems,
-                         n_elems, frag_elems, bits.shape[1], acc.size, starts, stops)
-    if fresh > 0:
-        _bfloat16_rows_add(acc, starts, stops, bits)
-    return fresh
-
-
 def merge_rows_(acc: np.ndarray, received: np.ndarray, reliable: np.ndarray,
                 blocks: np.ndarray, frags: np.ndarray, frags_per_block: int, block_elems: int,
                 n_elems: int, frag_elems: int, rows: np.ndarray) -> int:
@@ -294,7 +270,7 @@ def merge_rows_(acc: np.ndarray, received: np.ndarray, reliable: np.ndarray,
     set in ``received`` (a duplicate, also one repeated inside the run) or its block in
     ``reliable`` (sent over TCP too); ``received`` is set for the rows added.  Replaces
     ``np.unique`` on the slots, two masks, their fancy-indexed updates and
-    :func:`rows_add_`: the per-run numpy calls cost a server more than the additions.
+    :func:`rows_add_`'s checks: the per-run numpy calls cost a server more than the additions.
 
     Returns how many rows were added; -1, having changed nothing, when the dtypes or shapes
     are not those compiled for (float32 or bfloat16 rows, int64 indices, bool masks); raises
@@ -308,16 +284,20 @@ def merge_rows_(acc: np.ndarray, received: np.ndarray, reliable: np.ndarray,
             or (rows.shape[0] and rows.strides[1] != rows.itemsize):
         return -1
     if rows.dtype == np.float32:
-        kernel, payload = _merge_rows_float32, rows
+        add_rows, payload = _float32_rows_add, rows
     elif rows.dtype == _BFLOAT16:
-        kernel, payload = _merge_rows_bfloat16, rows.view(np.uint16)
+        add_rows, payload = _bfloat16_rows_add, rows.view(np.uint16)
     else:
         return -1
-    fresh = kernel(acc, received, reliable, blocks, frags, frags_per_block, block_elems,
-                   n_elems, frag_elems, payload)
+    starts = np.empty(len(blocks), np.int64)
+    stops = np.empty(len(blocks), np.int64)
+    fresh = _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems,
+                         n_elems, frag_elems, rows.shape[1], acc.size, starts, stops)
     if fresh < 0:
         raise ValueError("merge_rows_: a datagram's block or fragment lies outside the part's "
                          "layout, the accumulator or its row")
+    if fresh:
+        add_rows(acc, starts, stops, payload)  # a duplicate's range is empty: it adds nothing
     return fresh
 
 
