@@ -29,26 +29,20 @@ from .config import Config
 from .errors import ConfigError, DGTError, RemoteProtocolError
 from .fusion import FUSED_KEY_BASE
 from .kernels import warm_up
-from .merge import ClosedStep, StepMerger
+from .merge import ClosedStep, StepMerger, merge_datagram_batch
 from .partition import BlockLayout
 from .transport.links import CLOSE_DRAIN_S, SOCKET_QUEUE_MESSAGES, send_frames_nowait
 from .transport.outbox import PriorityOutbox
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLAG_WEIGHTS,
-                   HEADER_BYTES, HEADER_DTYPE, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header,
-                   MsgType, check_datagrams, code_dtype, decode_blocks, decode_header,
-                   decode_scores, dtype_code, encode_header, header_runs, split_dense,
-                   sum_reply_frames)
+                   HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
+                   code_dtype, decode_blocks, decode_header, decode_scores, dtype_code,
+                   encode_header, split_dense, sum_reply_frames)
 
 __all__ = ["Server", "main"]
 
 logger = logging.getLogger(__name__)
-
-# Fields of a DATA header that identify its push, with their positions in HEADER_DTYPE.
-_RUN_FIELDS = tuple((name, HEADER_DTYPE.names.index(name))
-                    for name in ("job", "rank", "dtype", "key", "part", "step", "n_elems",
-                                 "block_elems", "frag_elems"))
 
 # The exit line that reports Server.own_cpu_s; own_cpu_from_log reads it back.
 OWN_CPU_LOG = "server %d: dgt's own CPU %.6f s (decode, merge, close, frame the replies)"
@@ -292,38 +286,12 @@ class Server:
                 return
 
     def _merge_batch(self, count: int) -> None:
-        rows, sizes = self._udp.rows[:count], self._udp.sizes[:count]
-        headers = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER_DTYPE).reshape(-1)
-        valid = check_datagrams(headers, sizes)
-        foreign = valid & (headers["job"] != self.config.job_id)
-        self.counters["udp_malformed"] += int(count - valid.sum())
-        self.counters["udp_foreign"] += int(foreign.sum())
-        valid &= ~foreign
         known = np.zeros(self.config.num_workers, dtype=bool)
         known[list(self._identity)] = True
-        ranks = headers["rank"].astype(np.int64)
-        in_range = ranks < len(known)
-        unknown = valid & ~(in_range & known[np.where(in_range, ranks, 0)])
-        self.counters["udp_unknown_sender"] += int(unknown.sum())
-        valid &= ~unknown
-        if not valid.any():
-            return
-        index = np.flatnonzero(valid)
-        blocks = headers["block"].astype(np.int64)
-        frags = headers["frag"].astype(np.int64)
-        for members in header_runs(headers, index):
-            # One conversion of the record (a run is ~60 datagrams, a batch holds dozens of
-            # runs): item() is one call where ten int(field) lookups cost ten.
-            first = headers[members[0]].item()
-            header = Header(MsgType.DATA, **{name: first[i] for name, i in _RUN_FIELDS})
-            dtype = code_dtype(header.dtype)
-            width = (rows.shape[1] - HEADER_BYTES) // dtype.itemsize
-            lo, hi = int(members[0]), int(members[-1]) + 1
-            # Consecutive rows (the usual case): a view of the receive buffer, no copy.
-            chosen = slice(lo, hi) if hi - lo == len(members) else members
-            values = rows[chosen, HEADER_BYTES:HEADER_BYTES + width * dtype.itemsize]
-            self.merger.add_fragments(header, blocks[chosen], frags[chosen], values.view(dtype),
-                                      (sizes[chosen] - HEADER_BYTES) // dtype.itemsize)
+        refused = merge_datagram_batch(self.merger, self._udp.rows[:count],
+                                       self._udp.sizes[:count], self.config.job_id, known)
+        for reason, refused_count in refused.items():
+            self.counters[f"udp_{reason}"] += refused_count
 
     # == TCP ==================================================================================
     def _drain_tcp(self) -> None:

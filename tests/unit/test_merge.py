@@ -354,3 +354,49 @@ def test_a_run_with_an_index_outside_the_layout_is_dropped_whole_and_counted(dty
                                   np.array([0, 0]), np.ones((2, FE), dtype), np.array([FE, FE]))
     assert counts == {Outcome.MISMATCH: 2}
     assert Outcome.MERGED not in merger.counters
+
+
+def test_a_received_batch_is_checked_and_merged_run_by_run():
+    """The server's receive path without sockets: two workers' datagrams interleaved in runs,
+    plus one malformed, one of another job and one from a rank that never said HELLO.  The
+    refused ones are counted by reason; the sum is the exact sum of the rest."""
+    from dgt.merge import merge_datagram_batch
+    from dgt.wire import HEADER_BYTES, frame_datagrams
+
+    merger = StepMerger(3, grace_s=0.0)
+    slots = LAYOUT.slots_of_blocks(np.array([1, 2]))  # block 2's last fragment is short
+    channels = np.ones(LAYOUT.blocks.n_blocks, np.uint8)
+    row_bytes = HEADER_BYTES + FE * 4
+    batch = []
+    for rank in (0, 1, 2):
+        header = Header(MsgType.PUSH, job=5, rank=rank, dtype=1, key=1, step=0, n_elems=N,
+                        block_elems=B, frag_elems=FE, block=1, udp_expected=len(slots))
+        merger.add_push(header, np.array([0]), [data(rank)[:B]], 0.0)
+        if rank == 2:  # rank 2 is unknown to the batch: its datagrams are refused
+            merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
+        framed = frame_datagrams(header._replace(type=MsgType.DATA), LAYOUT, data(rank),
+                                 channels, slots)
+        datagrams = [bytes(row) for row in framed.rows]
+        datagrams += [framed.odd_headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
+                      + framed.odd_payloads[i].tobytes() for i in range(len(framed.odd_payloads))]
+        batch.append(datagrams)
+    expected = data(0).astype(np.float64) + data(1)
+    expected[:B] += data(2)[:B]  # rank 2's reliable block 0 is merged, its datagrams are not
+    rows = []
+    for i in range(max(len(d) for d in batch)):  # runs of 2 rows, alternating workers
+        for datagrams in batch:
+            rows += datagrams[i:i + 1]
+    rows.insert(3, b"XX" + rows[0][2:])  # bad magic
+    rows.insert(5, rows[0][:4] + (6).to_bytes(4, "little") + rows[0][8:])  # job 6
+    buffer = np.zeros((len(rows), row_bytes), np.uint8)
+    for i, datagram in enumerate(rows):
+        buffer[i, :len(datagram)] = np.frombuffer(datagram, np.uint8)
+    sizes = np.array([len(d) for d in rows])
+    refused = merge_datagram_batch(merger, buffer, sizes, 5, np.array([True, True, False]))
+    assert refused == {"malformed": 1, "foreign": 1, "unknown_sender": len(slots)}
+    assert merger.counters[Outcome.MERGED] == 2 * len(slots)
+    for rank in (0, 1):
+        merger.add_push_end(Header(MsgType.PUSH_END, job=5, rank=rank, dtype=1, key=1, step=0,
+                                   n_elems=N, block_elems=B, frag_elems=FE), 0.0)
+    closed, = merger.poll(1.0)
+    np.testing.assert_array_equal(closed.total.astype(np.float64), expected)
