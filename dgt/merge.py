@@ -356,11 +356,14 @@ class StepMerger:
                 tally(Outcome.DUPLICATE, count - merged)
                 self._candidates.add((header.key, header.part, step))
                 return
-        if count and (blocks.min() < 0 or blocks.max() >= layout.blocks.n_blocks
-                      or frags.min() < 0 or frags.max() >= layout.frags_per_block):
-            tally(Outcome.MISMATCH, count)  # as the compiled path: dropped whole
-            return
         slots = blocks * layout.frags_per_block + frags
+        # As the compiled path: a run naming a fragment the layout does not have (a block past
+        # the part, or a fragment past a block's end) is dropped whole.
+        if count and (blocks.min() < 0 or blocks.max() >= layout.blocks.n_blocks
+                      or frags.min() < 0 or frags.max() >= layout.frags_per_block
+                      or not layout.valid_slots[slots].all()):
+            tally(Outcome.MISMATCH, count)
+            return
         # A slot repeated inside the batch counts once; the copies are duplicates.
         _, first = np.unique(slots, return_index=True)
         fresh = np.zeros(count, dtype=bool)

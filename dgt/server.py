@@ -31,7 +31,8 @@ from .fusion import FUSED_KEY_BASE
 from .kernels import warm_up
 from .merge import ClosedStep, StepMerger, merge_datagram_batch
 from .partition import BlockLayout
-from .transport.links import CLOSE_DRAIN_S, SOCKET_QUEUE_MESSAGES, send_frames_nowait
+from .transport.links import (CLOSE_DRAIN_S, POLLIN, POLLOUT, SOCKET_QUEUE_MESSAGES,
+                               send_frames_nowait)
 from .transport.outbox import PriorityOutbox
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
@@ -53,8 +54,6 @@ def own_cpu_from_log(text: str) -> Dict[int, float]:
     """Server index -> dgt's own CPU seconds, from the exit lines of servers' logs."""
     return {int(index): float(seconds) for index, seconds in _OWN_CPU_PATTERN.findall(text)}
 
-# Plain ints for the loop's every turn: an enum flag operation costs a microsecond.
-_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _UDP_BATCHES_PER_TURN = 16  # batches of datagrams read per loop turn, so a flood cannot starve TCP
 
 
@@ -217,14 +216,14 @@ class Server:
                 # A ROUTER is writable when any worker's socket is: while one that is full
                 # holds replies back, poll it every millisecond instead of spinning.
                 backlog = len(self._outbox) > 0
-                poller.modify(self._router, _POLLIN | (
-                    _POLLOUT if backlog and not self._outbox_stalled else 0))
+                poller.modify(self._router, POLLIN | (
+                    POLLOUT if backlog and not self._outbox_stalled else 0))
                 if backlog and self._outbox_stalled:
                     wait_ms = min(wait_ms, 1)
                 events = dict(poller.poll(wait_ms))
                 if events:
                     self._last_activity = time.monotonic()
-                if events.get(self._router, 0) & _POLLIN:
+                if events.get(self._router, 0) & POLLIN:
                     self._drain_tcp()
                 # Read every datagram already queued before judging deadlines: what the kernel
                 # holds arrived in time, however slow this loop was to get to it.

@@ -28,7 +28,8 @@ import zmq.utils.garbage  # noqa: F401
 from .outbox import PriorityOutbox
 from .priority import apply_zmq_priority
 
-__all__ = ["ServerLinks", "SOCKET_QUEUE_MESSAGES", "CLOSE_DRAIN_S", "send_frames_nowait"]
+__all__ = ["ServerLinks", "SOCKET_QUEUE_MESSAGES", "CLOSE_DRAIN_S",
+           "POLLIN", "POLLOUT", "send_frames_nowait"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,10 @@ SOCKET_QUEUE_MESSAGES = 2
 CLOSE_DRAIN_S = 2.0  # how long close() still hands queued messages (BYE last) to the sockets
 
 # Plain ints: pyzmq's send_multipart ORs its enum flags (and checks every frame's buffer)
-# once per frame, which cost a server more than a reply's ZeroMQ calls themselves.
+# once per frame, which cost a server more than a reply's ZeroMQ calls themselves; the poll
+# flags are combined on every turn of a poll loop, where an enum operation costs a microsecond.
 _NOBLOCK = int(zmq.NOBLOCK)
-_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
@@ -134,7 +136,7 @@ class ServerLinks:
                     break
                 waiting = set(self._outbox.destinations())
                 for index, dealer in enumerate(self._dealers):
-                    poller.modify(dealer, _POLLIN | (_POLLOUT if index in waiting else 0))
+                    poller.modify(dealer, POLLIN | (POLLOUT if index in waiting else 0))
                 events = dict(poller.poll(200 if self._stop_by is None else 20))
                 if self._wake_read in events:
                     try:
@@ -142,7 +144,7 @@ class ServerLinks:
                     except BlockingIOError:
                         pass
                 for index, dealer in enumerate(self._dealers):
-                    if events.get(dealer, 0) & _POLLIN:
+                    if events.get(dealer, 0) & POLLIN:
                         while True:
                             try:
                                 frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -342,16 +342,19 @@ def test_datagram_rows_of_every_dtype_add_up_to_the_sum(dtype_code, dtype):
 
 
 @pytest.mark.parametrize("dtype_code,dtype", [(1, np.float32), (2, np.float16)])
-def test_a_run_with_an_index_outside_the_layout_is_dropped_whole_and_counted(dtype_code,
-                                                                              dtype):
+@pytest.mark.parametrize("bad_block,bad_frag", [(3, 0), (2, 2)])
+def test_a_run_with_an_index_outside_the_layout_is_dropped_whole_and_counted(dtype_code, dtype,
+                                                                              bad_block, bad_frag):
     """The compiled merge (float32) and numpy's (float16) both refuse a run naming block 3
-    of a 3-block part: nothing of it is merged, nothing raises, every datagram is counted."""
+    of a 3-block part, or fragment 2 of the short last block (452 elements: 2 fragments):
+    nothing of it is merged, nothing raises, every datagram is counted."""
     merger = StepMerger(2, grace_s=0.0)
     header = Header(MsgType.PUSH, rank=0, dtype=dtype_code, key=1, step=0, n_elems=N,
                     block_elems=B, frag_elems=FE, udp_expected=2)
     merger.add_push(header, np.array([0]), [np.ones(B, dtype)], 0.0)
-    counts = merger.add_fragments(header._replace(type=MsgType.DATA), np.array([1, 3]),
-                                  np.array([0, 0]), np.ones((2, FE), dtype), np.array([FE, FE]))
+    counts = merger.add_fragments(header._replace(type=MsgType.DATA), np.array([1, bad_block]),
+                                  np.array([0, bad_frag]), np.ones((2, FE), dtype),
+                                  np.array([FE, FE]))
     assert counts == {Outcome.MISMATCH: 2}
     assert Outcome.MERGED not in merger.counters
 
