@@ -3,8 +3,9 @@
     python benchmarks/overhead.py [--model alexnet] [--workers 2] [--repeat 5]
 
 Takes the parameter shapes of a model, makes random gradients, and times the pure steps a
-worker runs per push (error feedback, block scores, channel choice, gathering the reliable
-blocks, building the datagram rows) and the ones the server runs per step (merging the reliable
+worker runs per push (error feedback: the residual added before the push and the unmerged
+values kept from the reply; block scores, channel choice, gathering the reliable blocks,
+building the datagram rows) and the ones the server runs per step (merging the reliable
 parts and the datagrams of every worker, closing the step, and framing the reply of a summing
 server: the touched blocks gathered when the reply is sparse).  Sockets are left out: this is the
 part of a step that dgt adds on top of moving the bytes, to compare with the measured step time.
@@ -124,6 +125,16 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 sum_reply_frames(step_closed.merged, step_closed.touched_blocks,
                                  step_closed.block_elems)
             server_s += time.perf_counter() - began
+            if config.error_feedback:
+                # The reply's half of error feedback: each worker keeps the values of its
+                # datagrams that were not merged, for the next step's compensate above.
+                began = time.perf_counter()
+                for step_closed in closed:
+                    for rank, (_, _, compensated, _) in enumerate(pushes):
+                        missing = np.flatnonzero(step_closed.missing[rank])
+                        states[rank][0].remember((key, part.index), compensated,
+                                                 *layout.slot_ranges(missing))
+                worker_s += (time.perf_counter() - began) / rank_count
     return worker_s, server_s
 
 
@@ -177,7 +188,7 @@ def main() -> int:
           f"UDP loss {args.udp_loss:.0%}, wire dtype {config.wire_dtype}, "
           f"{args.run_datagrams} datagrams per merge call "
           "(the defaults; DGT_* variables change them)")
-    print(f"worker CPU per step (score, classify, frame): {worker_ms:7.1f} ms")
+    print(f"worker CPU per step (feedback, score, classify, frame): {worker_ms:7.1f} ms")
     print(f"server CPU per step (merge {args.workers} workers, close, frame the reply): "
           f"{server_ms:7.1f} ms")
     print(f"  of which a plain dense sum of {args.workers} gradients (any PS server): "
