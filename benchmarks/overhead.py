@@ -62,8 +62,10 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
             began = time.perf_counter()
             for rank in range(rank_count):
                 memory, scores, scratch = states[rank]
-                gathered = scratch.setdefault((key, part.index), np.empty(part.n_elems, wire))
-                compensated = (memory.compensate((key, part.index), values)
+                # The worker's per-part buffers, reused every step as it reuses them.
+                gathered, into = scratch.setdefault(
+                    (key, part.index), (np.empty(part.n_elems, wire), np.empty_like(values)))
+                compensated = (memory.compensate((key, part.index), values, out=into)
                                if config.error_feedback else values)
                 if blocks.n_blocks > 1:
                     s = score_blocks(scores, (key, part.index), blocks, compensated)

@@ -35,7 +35,8 @@ from numba import njit
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 __all__ = ["block_abs_sums", "blocks_into_", "cast", "datagram_rows_", "datagram_rows_bfloat16_",
-           "gather_bfloat16_", "merge_rows_", "rows_add_", "to_bfloat16", "warm_up"]
+           "gather_bfloat16_", "gather_rows_", "merge_rows_", "rows_add_", "to_bfloat16",
+           "warm_up"]
 
 # Reassociation lets the compiler keep several partial sums in vector registers; the flags
 # that assume no NaN or infinity are left out, so a NaN gradient still gives a NaN score.
@@ -237,6 +238,39 @@ def rows_add_(acc: np.ndarray, starts: np.ndarray, stops: np.ndarray, rows: np.n
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _float32_gather_rows(rows, source, starts, stops):  # pragma: no cover - compiled
+    for r in range(rows.shape[0]):
+        piece, row = source[starts[r]:stops[r]], rows[r]
+        for i in range(piece.size):
+            row[i] = piece[i]
+
+
+def gather_rows_(rows: np.ndarray, source: np.ndarray, starts: np.ndarray,
+                 stops: np.ndarray) -> np.ndarray:
+    """Copy ``source[starts[r]:stops[r]]`` into ``rows[r, :stops[r] - starts[r]]`` for every
+    row, leaving the rest of each row as it was: the inverse of :func:`rows_add_` into a zero
+    accumulator, a worker keeping the values of its lost datagrams (error feedback).  Numpy's
+    expression is a Python loop over the ranges; any dtypes numpy can cast work, float32 ones
+    in one compiled pass.  Returns ``rows``."""
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    if rows.ndim != 2 or len(starts) != rows.shape[0] or len(stops) != rows.shape[0]:
+        raise ValueError(f"gather_rows_: {len(starts)} ranges for rows of shape {rows.shape}")
+    if rows.shape[0] and (starts.min() < 0 or stops.max() > source.size
+                          or (stops - starts).max() > rows.shape[1]
+                          or (stops - starts).min() < 0):
+        raise ValueError("gather_rows_: a range lies outside the source or the row")
+    if rows.dtype == np.float32 and source.dtype == np.float32 and source.ndim == 1 \
+            and source.flags.c_contiguous and (rows.shape[0] == 0
+                                               or rows.strides[1] == rows.itemsize):
+        _float32_gather_rows(rows, source, starts, stops)
+    else:
+        for r, (start, stop) in enumerate(zip(starts.tolist(), stops.tolist())):
+            rows[r, :stop - start] = source[start:stop]
+    return rows
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems, n_elems,
                  frag_elems, width, acc_size, starts, stops):  # pragma: no cover - compiled
     for r in range(blocks.size):  # every index is checked before anything is marked
@@ -401,6 +435,9 @@ def warm_up() -> None:
             marks = np.zeros((2, 4), bool)  # a server's per-worker rows of (W, n) masks
             merge_rows_(padded, marks[0], marks[1, :2], blocks, np.zeros(2, np.int64), 2, 64,
                         128, 32, rows)
+    for source in received[:2]:  # a worker keeping its lost datagrams' values
+        gather_rows_(np.zeros((2, 32), np.float32), source, np.array([0, 32]),
+                     np.array([32, 64]))
     headers = np.zeros((2, 4), np.uint8)
     datagram_rows_(np.empty((2, 4 + 64), np.uint8), headers, values.view(np.uint8),
                    np.array([0, 64]))

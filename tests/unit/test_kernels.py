@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from dgt.kernels import (block_abs_sums, blocks_into_, cast, datagram_rows_,
-                         datagram_rows_bfloat16_, gather_bfloat16_, merge_rows_, rows_add_,
-                         to_bfloat16)
+                         datagram_rows_bfloat16_, gather_bfloat16_, gather_rows_, merge_rows_,
+                         rows_add_, to_bfloat16)
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
 
@@ -154,6 +154,7 @@ def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
     """After warm_up, a worker's push path and a server's merge of read-only frames (float32
     and bfloat16) compile nothing more: no step pays for compiling."""
     from dgt import kernels
+    from dgt.memory import ResidualMemory
     from dgt.partition import FragmentLayout
     from dgt.scoring import ContributionState, score_blocks
     from dgt.wire import Header, MsgType, frame_datagrams
@@ -188,6 +189,10 @@ def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
         run_blocks = np.array([1, 1, 3], np.int64)[:2]  # a sliced column, as the server's
         merge_rows_(padded, marks[1], sent[1], run_blocks, np.array([0, 1], np.int64),
                     layout.frags_per_block, 1024, 5000, 256, received)
+    # Error feedback: the worker keeps its lost fragments and adds them to the next push.
+    memory = ResidualMemory()
+    memory.remember(0, values, *layout.slot_ranges(slots[::3]))
+    memory.compensate(0, values, out=np.empty_like(values))
     compiled = {name: set(d.signatures) - before[name] for name, d in dispatchers.items()}
     assert not any(compiled.values()), compiled
 
@@ -218,6 +223,41 @@ def test_rows_add_refuses_ranges_outside_and_leaves_other_dtypes_to_numpy():
     assert not rows_add_(acc, np.array([0]), np.array([10]), rows.astype(np.float16))
     assert not rows_add_(acc.astype(np.float64), np.array([0]), np.array([10]), rows)
     assert (acc == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_gather_rows_is_the_inverse_of_rows_add(rng, dtype):
+    """Rows gathered from ranges and added into zeros give back the source on those ranges
+    and zeros elsewhere; the compiled float32 pass and numpy's loop give the same rows."""
+    source = rng.standard_normal(1000).astype(dtype)
+    starts = np.array([0, 300, 700, 996])
+    stops = np.array([256, 556, 956, 1000])  # the last range is short
+    rows = gather_rows_(np.full((4, 256), 7.0, np.float32), source, starts, stops)
+    for r in range(4):
+        length = stops[r] - starts[r]
+        np.testing.assert_array_equal(rows[r, :length],
+                                      source[starts[r]:stops[r]].astype(np.float32))
+        assert (rows[r, length:] == 7.0).all()  # the tail is left as it was
+    acc = np.zeros(1000, np.float32)
+    rows[3, 4:] = 0.0
+    assert rows_add_(acc, starts, stops, rows)
+    mask = np.zeros(1000, bool)
+    for start, stop in zip(starts, stops):
+        mask[start:stop] = True
+    np.testing.assert_array_equal(acc[mask], source[mask].astype(np.float32))
+    assert (acc[~mask] == 0).all()
+
+
+def test_gather_rows_refuses_ranges_outside_the_source_or_the_rows():
+    source = np.arange(100, dtype=np.float32)
+    rows = np.zeros((1, 10), np.float32)
+    with pytest.raises(ValueError, match="outside"):
+        gather_rows_(rows, source, np.array([95]), np.array([105]))
+    with pytest.raises(ValueError, match="outside"):
+        gather_rows_(rows, source, np.array([0]), np.array([20]))  # longer than the row
+    with pytest.raises(ValueError, match="2 ranges for rows of shape"):
+        gather_rows_(rows, source, np.array([0, 10]), np.array([10, 20]))
+    assert (rows == 0).all()
 
 
 def test_cast_is_the_one_cast_of_every_wire_dtype(rng):

@@ -1,7 +1,9 @@
 import numpy as np
+import pytest
 
 from dgt.lossmodel import dropped_slots
 from dgt.memory import ResidualMemory
+from dgt.partition import BlockLayout, FragmentLayout
 
 
 def test_residual_memory_carries_exactly_the_missing_values():
@@ -17,6 +19,40 @@ def test_residual_memory_carries_exactly_the_missing_values():
     assert memory.compensate("h", np.ones(6, np.float16), out=out) is out
     np.testing.assert_array_equal(out, np.arange(6) + 1)
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_residual_memory_against_a_dense_ledger_over_steps(dtype):
+    """Seeded lost fragments over several steps: what compensate returns is the gradient plus
+    a dense numpy residual kept by hand, and owed() is that residual, so at every step
+    ``sum(merged) + owed == sum(pushed)`` (exact: integer values)."""
+    rng = np.random.default_rng(11)
+    layout = FragmentLayout(BlockLayout(10_000, 1024), 300)  # short last fragments and block
+    memory, residual = ResidualMemory(), np.zeros(10_000)
+    pushed_total, merged_total = np.zeros(10_000), np.zeros(10_000)
+    out = np.empty(10_000, dtype)
+    for step in range(6):
+        grad = rng.integers(-8, 9, 10_000).astype(dtype)
+        pushed_total += grad
+        sent = memory.compensate("k", grad, out=out)
+        np.testing.assert_array_equal(sent, (grad + residual).astype(dtype))
+        lost = np.flatnonzero((rng.random(layout.n_slots) < 0.3) & layout.valid_slots)
+        starts, stops = layout.slot_ranges(lost)
+        mask = np.zeros(10_000, bool)
+        for start, stop in zip(starts, stops):
+            mask[start:stop] = True
+        residual = np.where(mask, sent, 0.0)
+        merged_total += np.where(mask, 0.0, sent)
+        assert memory.remember("k", sent, starts, stops) == mask.sum()
+        np.testing.assert_array_equal(memory.owed("k"), residual)
+        np.testing.assert_array_equal(merged_total + memory.owed("k"), pushed_total)
+
+
+def test_residual_memory_refuses_a_gradient_of_another_length():
+    memory = ResidualMemory()
+    memory.remember("k", np.ones(10, np.float32), np.array([2]), np.array([5]))
+    with pytest.raises(ValueError, match="owes values for 10 elements, got a gradient of 12"):
+        memory.compensate("k", np.ones(12, np.float32))
 
 def test_dropped_slots_is_deterministic_and_order_free():
     slots = np.arange(10000)
