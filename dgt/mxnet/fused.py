@@ -31,7 +31,8 @@ import numpy as np
 
 from ..fusion import Bucket, Slot
 from ..wire import PRIORITY_LAST
-from ..worker import Pending, Worker
+from ..pending import Pending
+from ..worker import Worker
 from .engine import Completion, HostBuffers, push_async, sum_into
 
 __all__ = ["Fuser", "STALL_S"]

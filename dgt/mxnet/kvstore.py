@@ -33,7 +33,8 @@ from .. import current_config
 from ..config import Config
 from ..errors import LocalProtocolError
 from ..fusion import FUSED_KEY_BASE, Call, FusionPlanner, Slot
-from ..worker import Pending, Worker
+from ..pending import Pending
+from ..worker import Worker
 from .engine import HostBuffers, push_async, sum_into
 from .fused import Fuser
 

@@ -13,7 +13,7 @@ import logging
 import socket
 import struct
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import numpy as np
 

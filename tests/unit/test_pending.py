@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from dgt.errors import StepTimeout
-from dgt.worker import Pending
+from dgt.pending import Pending
 
 
 def test_finishes_after_its_last_part_and_runs_callbacks_once():
