@@ -5,9 +5,9 @@ exactly those values and adds them to the next gradient of the same part.  So ev
 worker pushes is eventually merged or still held here: ``sum(merged) + residual == sum(pushed)``.
 
 What is owed is kept sparse, as the lost fragments' element ranges and their values in rows of
-one array: a tenth of a part or less at the loss dgt sees, where a dense residual cost a
-full-size allocation and a Python loop over the ranges in ``remember`` and a three-array pass
-in ``compensate``.  On AlexNet's 20 M parameters at 40 % UDP loss (~7 000 lost fragments per
+one array: the lost share of a part (8 % of AlexNet's at the testbed's loss), where a dense
+residual cost a full-size allocation and a Python loop over the ranges in ``remember`` and a
+three-array pass in ``compensate``.  On AlexNet's 20 M parameters at 40 % UDP loss (~7 000 lost fragments per
 step) the two took 63 ms per worker step on the development machine, the sparse ones 33 ms,
 most of it the one copy of the gradient that ``compensate`` makes into the worker's buffer.
 """

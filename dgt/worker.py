@@ -31,8 +31,8 @@ from .errors import LocalProtocolError, PeerLost, RemoteProtocolError, StepTimeo
 from .kernels import cast, warm_up
 from .lossmodel import dropped_slots
 from .memory import ResidualMemory
-from .pending import Pending
 from .partition import BlockLayout, FragmentLayout, Part, fragment_elems, plan_parts
+from .pending import Pending
 from .policy import AdaptiveThreshold, assign_channels
 from .scoring import ContributionState, score_blocks
 from .stats import JsonLinesSink, StepStats
