@@ -21,6 +21,10 @@ data (Fashion-MNIST, IID, the same seeds) and the same step budget, one system a
 * ``dgt-NAME``      -- dgt with extra settings, defined by ``--variant NAME:DGT_X=1,DGT_Y=2``,
   so that several dgt settings meet the same baseline in one run.
 
+``--rounds N`` runs the systems N times, forwards then backwards, so that the machine's drift
+over the run falls on every system alike (``benchmarks/rounds.py``); each row is then the
+median of its rounds, and every round is listed too.
+
 ``--cross-traffic MBIT`` adds another tenant's load for the whole run: an open-loop UDP flow
 of MBIT Mbit/s into and out of every node of the job (``benchmarks/crosstraffic.py``), at IP
 precedence ``--cross-precedence`` (0, best effort, by default), the same for every system.
@@ -51,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from benchmarks.rounds import combine_rounds, round_order, same_round_ratios  # noqa: E402
 from benchmarks.testbed import Testbed, available  # noqa: E402
 from dgt.launch import _Child, supervise  # noqa: E402
 from dgt.server import own_cpu_from_log  # noqa: E402
@@ -62,7 +67,7 @@ COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "s
            "throughput_samples_s", "bytes_per_step", "channel_bytes_per_step", "udp_loss_rate",
            "time_to_target_s",
            "final_accuracy", "compute_s", "lower_bound_s", "worker_cpu_ms", "server_cpu_ms",
-           "status")
+           "rounds", "status")
 
 
 @dataclass
@@ -89,6 +94,10 @@ class Row:
     # dgt's own count (its statistics, not the kernel's): payload bytes worker 0 pushed per
     # step on each channel, TCP first, then UDP channels 1..C.  Empty for the other systems.
     channel_bytes_per_step: Optional[List[float]] = None
+    # --rounds: how many rounds a row folds in; a round's own row carries its number (1..).
+    rounds: int = 1
+    round: Optional[int] = None
+    curve_paths: Optional[List[str]] = None  # the accuracy curves behind the row
 
 
 # -- measuring one run ------------------------------------------------------------------------
@@ -288,8 +297,11 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
     return children
 
 
-def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float]) -> Row:
-    row = Row(system, model, args.workers, args.rate)
+def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float],
+            round_index: int = 0) -> Row:
+    rounds = getattr(args, "rounds", 1)
+    row = Row(system, model, args.workers, args.rate, rounds=1,
+              round=round_index + 1 if rounds > 1 else None)
     if system in HOROVOD_SYSTEMS:
         probe = subprocess.run([sys.executable, "-c", "import horovod.mxnet"],
                                capture_output=True)
@@ -297,8 +309,10 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
             row.status = "not installed (make horovod)"
             return row
     results = args.results_dir
-    curve = os.path.join(results, f"{args.name}-{model}-{system}.jsonl")
-    log_path = os.path.join(results, f"{args.name}-{model}-{system}.log")
+    tag = f"{args.name}-{model}-{system}" + (f"-r{round_index + 1}" if rounds > 1 else "")
+    curve = os.path.join(results, f"{tag}.jsonl")
+    log_path = os.path.join(results, f"{tag}.log")
+    row.curve_paths = [curve]
     # Allreduce has no server: its busiest links are the workers'.
     links = measured_links(system, args)
     before = {link: bed.link_bytes(link) for link in links}
@@ -307,8 +321,9 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
         children = job_processes(system, bed, args, model, curve, log)
         code = supervise(children, args.run_timeout)
     after = {link: bed.link_bytes(link) for link in links}
-    print(f"  {system:15s} {model:10s} exit {code} in {time.perf_counter() - started:.0f} s",
-          flush=True)
+    where = f" round {round_index + 1}" if rounds > 1 else ""
+    print(f"  {system:15s} {model:10s}{where} exit {code} in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
     if code != 0 or not os.path.exists(curve):
         row.status = f"failed (exit {code}, see {os.path.relpath(log_path, ROOT)})"
         return row
@@ -347,27 +362,39 @@ def fmt(value, digits=3):
     return str(value)
 
 
-def write_reports(rows: List[Row], args, machine: str) -> List[str]:
-    results = args.results_dir
-    csv_path = os.path.join(results, f"{args.name}.csv")
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+def write_csv(path: str, rows: List[Row], columns) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
-            values = {k: v for k, v in asdict(row).items() if k in COLUMNS}
+            values = {k: v for k, v in asdict(row).items() if k in columns}
             if row.channel_bytes_per_step:
                 values["channel_bytes_per_step"] = ";".join(
                     f"{b:.0f}" for b in row.channel_bytes_per_step)
             writer.writerow(values)
+
+
+def write_reports(rows: List[Row], args, machine: str,
+                  round_rows: Optional[List[Row]] = None) -> List[str]:
+    """``<name>.csv`` (one row per system and model), ``<name>.md``, the plots, and with
+    several rounds ``<name>-rounds.csv`` (one row per round as well)."""
+    results = args.results_dir
+    csv_path = os.path.join(results, f"{args.name}.csv")
+    write_csv(csv_path, rows, COLUMNS)
+    paths = [csv_path]
+    if round_rows:
+        paths.append(os.path.join(results, f"{args.name}-rounds.csv"))
+        write_csv(paths[-1], round_rows, ("round",) + COLUMNS)
     md_path = os.path.join(results, f"{args.name}.md")
     with open(md_path, "w") as f:
-        f.write(markdown(rows, args, machine))
-    paths = [csv_path, md_path]
+        f.write(markdown(rows, args, machine, round_rows))
+    paths.append(md_path)
     paths += plot(rows, args)
     return paths
 
 
-def markdown(rows: List[Row], args, machine: str) -> str:
+def markdown(rows: List[Row], args, machine: str,
+             round_rows: Optional[List[Row]] = None) -> str:
     servers = getattr(args, "servers", 1)
     where = " on the workers' nodes" if getattr(args, "colocate", False) else ""
     if getattr(args, "update_on_workers", False):
@@ -414,7 +441,49 @@ def markdown(rows: List[Row], args, machine: str) -> str:
             f"{fmt(r.udp_loss_rate * 100 if r.udp_loss_rate is not None else None, 1)}"
             f"{'%' if r.udp_loss_rate is not None else ''} | {fmt(r.time_to_target_s, 1)} | "
             f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {cpu_cell(r)} | {r.status} |")
+    if round_rows:
+        lines += rounds_table(round_rows, args)
     return "\n".join(lines) + "\n"
+
+
+def rounds_table(round_rows: List[Row], args) -> List[str]:
+    """Every round's own figures, with ratios to ``dist_sync`` of the same round (the
+    figures least moved by the machine's drift) and their medians."""
+    rounds = max(r.round or 1 for r in round_rows)
+    systems = getattr(args, "systems", None) or list(dict.fromkeys(r.system for r in round_rows))
+    lines = ["", f"Each row above is the median of {rounds} rounds (final accuracy: their mean; "
+             "time to target: a round that missed it counts as later than any that reached "
+             "it). The rounds ran the systems forwards, then backwards. Every round:", "",
+             "| model | system | round | position | step s | vs dist_sync, same round | "
+             "time to target s | vs dist_sync, same round | final acc | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    step_ratio = same_round_ratios(round_rows, "step_time_s", "dist_sync")
+    target_ratio = same_round_ratios(round_rows, "time_to_target_s", "dist_sync")
+    for r in round_rows:
+        order = round_order(systems, (r.round or 1) - 1)
+        position = order.index(r.system) + 1 if r.system in order else None
+        ident = (r.model, r.system, r.round)
+        lines.append(f"| {r.model} | {r.system} | {fmt(r.round)} | {fmt(position)} | "
+                     f"{fmt(r.step_time_s)} | {fmt(step_ratio.get(ident), 2)} | "
+                     f"{fmt(r.time_to_target_s, 1)} | {fmt(target_ratio.get(ident), 2)} | "
+                     f"{fmt(r.final_accuracy)} | {r.status} |")
+    lines.append("")
+    for model in dict.fromkeys(r.model for r in round_rows):
+        for system in systems:
+            if system == "dist_sync":
+                continue
+            steps = [v for (m, s, _), v in step_ratio.items() if (m, s) == (model, system)]
+            targets = [v for (m, s, _), v in target_ratio.items() if (m, s) == (model, system)]
+            if not steps:
+                continue
+            on_target = (f"{statistics.median(targets):.2f} on the time to target (the "
+                         f"{len(targets)} of {len(steps)} rounds where both reached it)"
+                         if targets else "none on the time to target (no round where both "
+                         "reached it)")
+            lines.append(f"- {model}, {system}: the median of the same-round ratios to "
+                         f"`dist_sync` is {statistics.median(steps):.2f} on the step, "
+                         f"{on_target}.")
+    return lines
 
 
 def channel_cell(row: Row) -> str:
@@ -467,12 +536,17 @@ def plot(rows: List[Row], args) -> List[str]:
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for r in rows:
-            curve = os.path.join(results, f"{args.name}-{model}-{r.system}.jsonl")
-            if r.model != model or not os.path.exists(curve):
+            if r.model != model:
                 continue
-            points = summarise_curve(curve, 0.0, 3)["accuracy_curve"]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=r.system)
+            curves = r.curve_paths or [
+                os.path.join(results, f"{args.name}-{model}-{r.system}.jsonl")]
+            for number, curve in enumerate(curves, 1):
+                if not os.path.exists(curve):
+                    continue
+                points = summarise_curve(curve, 0.0, 3)["accuracy_curve"]
+                if points:
+                    ax.plot(*zip(*points), marker="o",
+                            label=r.system if len(curves) == 1 else f"{r.system} r{number}")
         ax.set_title(f"{model}: test accuracy vs training time")
         ax.set_xlabel("seconds (evaluation excluded)")
         ax.set_ylabel("accuracy")
@@ -547,6 +621,11 @@ def main(argv=None) -> int:
                         metavar="NAME:DGT_X=VALUE,...",
                         help="also run dgt with these settings, as system dgt-NAME "
                              "(repeatable)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the systems this many times, forwards then backwards "
+                             "(A B C, C B A, ...), so that the machine's drift over the run "
+                             "falls on every system alike; each row is then the median of "
+                             "its rounds, with every round listed below it (1)")
     parser.add_argument("--name", default="", help="results file name (default: a timestamp)")
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
@@ -562,6 +641,8 @@ def main(argv=None) -> int:
     if not 0 <= args.cross_precedence <= 3:
         parser.error(f"--cross-precedence {args.cross_precedence} is out of range: allowed "
                      "0..3 (the testbed's precedence levels)")
+    if not 1 <= args.rounds <= 20:
+        parser.error(f"--rounds {args.rounds} is out of range: allowed 1..20")
     if not args.two_bit_threshold > 0:  # refused here, not by the 2-bit job after set-up
         parser.error(f"--two-bit-threshold {args.two_bit_threshold:g} is out of range: "
                      "allowed > 0")
@@ -579,7 +660,7 @@ def main(argv=None) -> int:
     machine = (f"Machine: {os.cpu_count()} cores, "
                f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
                f"Python {sys.version.split()[0]}.")
-    rows = []
+    rows, round_rows = [], []
     # The "server" node stays even when colocated: MXNet's scheduler and Horovod's
     # rendezvous run there (control traffic only).
     nodes = server_nodes(1 if args.colocate else args.servers) + \
@@ -591,12 +672,29 @@ def main(argv=None) -> int:
             compute = measure_compute(model, args.batch_size)
             print(f"{model}: compute {fmt(compute)} s/step (one process, no communication)",
                   flush=True)
-            for system in args.systems:
-                rows.append(run_one(system, model, bed, args, compute))
-    for path in write_reports(rows, args, machine):
+            mine = [run_one(system, model, bed, args, compute, round_index)
+                    for round_index in range(args.rounds)
+                    for system in round_order(args.systems, round_index)]
+            if args.rounds == 1:
+                rows += mine
+                continue
+            round_rows += mine
+            rows += fold_rounds(mine, args)
+    for path in write_reports(rows, args, machine, round_rows):
         print("wrote", os.path.relpath(path, ROOT))
-    print(markdown(rows, args, machine))
+    print(markdown(rows, args, machine, round_rows))
     return 0
+
+
+def fold_rounds(round_rows: List[Row], args) -> List[Row]:
+    """One row per system (in the listed order) from its rounds' rows."""
+    folded = []
+    for system in args.systems:
+        mine = [r for r in round_rows if r.system == system]
+        row = combine_rounds(mine, lambda step: args.workers * args.batch_size / step)
+        row.curve_paths = [p for r in mine for p in (r.curve_paths or [])]
+        folded.append(row)
+    return folded
 
 
 if __name__ == "__main__":
