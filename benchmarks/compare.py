@@ -300,7 +300,7 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
 def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float],
             round_index: int = 0) -> Row:
     rounds = getattr(args, "rounds", 1)
-    row = Row(system, model, args.workers, args.rate, rounds=1,
+    row = Row(system, model, args.workers, args.rate,
               round=round_index + 1 if rounds > 1 else None)
     if system in HOROVOD_SYSTEMS:
         probe = subprocess.run([sys.executable, "-c", "import horovod.mxnet"],
