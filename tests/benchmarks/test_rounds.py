@@ -152,7 +152,8 @@ def test_a_run_of_several_rounds_alternates_and_folds(tmp_path, monkeypatch):
     # dgt's runs sit in slots 1, 4, 5, 8 and dist_sync's in 2, 3, 6, 7: the same drift.
     assert float(table["dgt"]["step_time_s"]) == pytest.approx(0.5 * 1.45)
     assert float(table["dist_sync"]["step_time_s"]) == pytest.approx(1.0 * 1.45)
-    assert len(list(csv.DictReader(open(tmp_path / "r-rounds.csv")))) == 8
+    with open(tmp_path / "r-rounds.csv") as f:
+        assert len(list(csv.DictReader(f))) == 8
 
 
 @pytest.mark.parametrize("rounds", ["0", "21"])
