@@ -32,8 +32,10 @@ precedence ``--cross-precedence`` (0, best effort, by default), the same for eve
 Each run is a real training job (``examples/train_<model>.py``) with the server in its own
 namespace and each worker in its own.  Reported per system and model: median and p90 step time,
 throughput, bytes through the server's link per step (kernel interface counters), UDP loss
-(dgt), time to ``--target-accuracy`` and the final accuracy, and a lower bound
-``max(compute time, bytes through the bottleneck / rate)``.  Results go to
+(dgt), time to ``--target-accuracy`` and the final accuracy, a lower bound
+``max(compute time, bytes through the bottleneck / rate)``, dgt's own CPU per step, and the
+whole machine's busy and stolen shares of its CPU time over the training steps (from
+``/proc/stat``; a run near 100 % was CPU-bound, whatever its network did).  Results go to
 ``benchmarks/results/<name>.csv``, ``.md`` and ``<name>-*.png``.
 """
 from __future__ import annotations
@@ -67,7 +69,7 @@ COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "s
            "throughput_samples_s", "bytes_per_step", "channel_bytes_per_step", "udp_loss_rate",
            "time_to_target_s",
            "final_accuracy", "compute_s", "lower_bound_s", "worker_cpu_ms", "server_cpu_ms",
-           "rounds", "status")
+           "machine_cpu_busy", "machine_cpu_steal", "rounds", "status")
 
 
 @dataclass
@@ -90,6 +92,11 @@ class Row:
     # worker 0, and on the busiest server.  Empty for the other systems.
     worker_cpu_ms: Optional[float] = None
     server_cpu_ms: Optional[float] = None
+    # The whole machine's CPU over the training steps (every process of the job, and anyone
+    # else's), as shares of all its cores' time: busy, and stolen by the hypervisor.  A run
+    # whose busy + steal is near 1 was CPU-bound, whatever its network did.
+    machine_cpu_busy: Optional[float] = None
+    machine_cpu_steal: Optional[float] = None
     status: str = "ok"
     # dgt's own count (its statistics, not the kernel's): payload bytes worker 0 pushed per
     # step on each channel, TCP first, then UDP channels 1..C.  Empty for the other systems.
@@ -102,10 +109,11 @@ class Row:
 
 # -- measuring one run ------------------------------------------------------------------------
 def summarise_curve(path: str, target: float, warmup: int) -> dict:
-    steps, evals, summary = [], [], {}
+    steps, evals, summary, records = [], [], {}, []
     with open(path, encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
+            records.append(record)
             if record.get("event") == "step":
                 steps.append(record)
             elif record.get("event") == "eval":
@@ -121,6 +129,7 @@ def summarise_curve(path: str, target: float, warmup: int) -> dict:
            if any("dgt_cpu_ms" in s for s in steps) else summary.get("dgt_cpu_ms_per_step"),
            "accuracy_curve": [(e["train_time_s"], e["accuracy"]) for e in evals],
            "channel_bytes_per_step": None}
+    out["machine_cpu_busy"], out["machine_cpu_steal"] = machine_cpu_shares(records, warmup)
     counted = summary.get("dgt_steps", out["steps"])  # the steps dgt's totals cover
     if summary.get("bytes_per_channel") and counted:
         out["channel_bytes_per_step"] = [b / counted for b in summary["bytes_per_channel"]]
@@ -146,6 +155,30 @@ def worker_cpu_median(steps: list, warmup: int) -> Optional[float]:
         if counted > 0:
             per_step.append((b["dgt_cpu_ms"] - a["dgt_cpu_ms"]) / counted)
     return statistics.median(per_step) if per_step else None
+
+
+def machine_cpu_shares(records: list, warmup: int) -> tuple:
+    """``(busy, steal)``: the machine's busy and stolen CPU time over the training steps after
+    ``warmup``, as shares of all its CPU time, from the ``machine_cpu_ticks`` of consecutive
+    step records; a pair of steps with an evaluation between them is left out, as the step
+    times leave out the evaluation.  ``(None, None)`` when the records carry no ticks."""
+    busy = idle = steal = 0
+    previous = None
+    for record in records:
+        if record.get("event") == "eval":
+            previous = None
+        if record.get("event") != "step":
+            continue
+        ticks = record.get("machine_cpu_ticks")
+        if (previous is not None and ticks and record["step"] > warmup
+                and record["step"] == previous["step"] + 1):
+            before = previous["machine_cpu_ticks"]
+            busy += ticks["busy"] - before["busy"]
+            idle += ticks["idle"] - before["idle"]
+            steal += ticks["steal"] - before["steal"]
+        previous = record if ticks else None
+    total = busy + idle + steal
+    return (busy / total, steal / total) if total > 0 else (None, None)
 
 
 def measure_compute(model: str, batch: int) -> Optional[float]:
@@ -335,6 +368,8 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     row.udp_loss_rate = measured["udp_loss_rate"]
     row.time_to_target_s = measured["time_to_target_s"]
     row.worker_cpu_ms = measured["worker_cpu_ms"]
+    row.machine_cpu_busy = measured["machine_cpu_busy"]
+    row.machine_cpu_steal = measured["machine_cpu_steal"]
     row.channel_bytes_per_step = measured["channel_bytes_per_step"]
     if system.startswith("dgt"):
         with open(log_path, encoding="utf-8", errors="replace") as log:
@@ -428,8 +463,8 @@ def markdown(rows: List[Row], args, machine: str,
     lines += ["", "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
               "(server links) | dgt's count: MB/step worker 0 pushed per channel (TCP; UDP 1..C) "
               "| UDP loss | time to target s | final acc | lower bound s | "
-              "dgt CPU ms/step: worker, server (% of step) | status |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "dgt CPU ms/step: worker, server (% of step) | machine CPU: busy, steal | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
     for r in rows:
         ratio = (r.step_time_s / base[r.model]) if r.step_time_s and base.get(r.model) else None
@@ -440,7 +475,8 @@ def markdown(rows: List[Row], args, machine: str,
             f"{channel_cell(r)} | "
             f"{fmt(r.udp_loss_rate * 100 if r.udp_loss_rate is not None else None, 1)}"
             f"{'%' if r.udp_loss_rate is not None else ''} | {fmt(r.time_to_target_s, 1)} | "
-            f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {cpu_cell(r)} | {r.status} |")
+            f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {cpu_cell(r)} | "
+            f"{machine_cell(r)} | {r.status} |")
     if round_rows:
         lines += rounds_table(round_rows, args)
     return "\n".join(lines) + "\n"
@@ -503,6 +539,13 @@ def cpu_cell(row: Row) -> str:
         else:
             parts.append(f"{cpu_ms:.1f}")
     return "-" if parts == ["-", "-"] else ", ".join(parts)
+
+
+def machine_cell(row: Row) -> str:
+    """The machine's busy and stolen shares of its CPU time over the training steps."""
+    if row.machine_cpu_busy is None:
+        return "-"
+    return f"{row.machine_cpu_busy * 100:.0f} %, {(row.machine_cpu_steal or 0.0) * 100:.0f} %"
 
 
 def plot(rows: List[Row], args) -> List[str]:

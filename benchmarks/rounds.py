@@ -45,9 +45,10 @@ def median_reached(times: Sequence[Optional[float]]) -> Optional[float]:
 
 def combine_rounds(rows: Sequence, throughput_of=None):
     """One row for one system and model from its rounds' rows (a dataclass with the fields of
-    ``compare.Row``): medians of the step time, its p90, bytes, loss, bound and CPU; the time
-    to target by :func:`median_reached`; the mean final accuracy; the rounds that failed
-    named in ``status``.  ``throughput_of(step_time_s)`` recomputes the throughput."""
+    ``compare.Row``): medians of the step time, its p90, bytes, loss, bound, dgt's CPU and the
+    machine's CPU shares; the time to target by :func:`median_reached`; the mean final
+    accuracy; the rounds that failed named in ``status``.  ``throughput_of(step_time_s)``
+    recomputes the throughput."""
     if not rows:
         raise ValueError("combine_rounds needs at least one round's row")
     ok = [r for r in rows if r.status == "ok"]
@@ -78,6 +79,8 @@ def combine_rounds(rows: Sequence, throughput_of=None):
         lower_bound_s=median_of("lower_bound_s"),
         worker_cpu_ms=median_of("worker_cpu_ms"),
         server_cpu_ms=median_of("server_cpu_ms"),
+        machine_cpu_busy=median_of("machine_cpu_busy"),
+        machine_cpu_steal=median_of("machine_cpu_steal"),
         channel_bytes_per_step=[statistics.median(c) for c in zip(*channels)]
         if channels and len({len(c) for c in channels}) == 1 else ok[0].channel_bytes_per_step,
         rounds=len(rows),

@@ -176,6 +176,24 @@ def evaluate(net, dataset, size: int, ctx, samples: int, batch: int = 200) -> fl
     return correct / count
 
 
+def machine_cpu_ticks() -> Optional[dict]:
+    """The whole machine's CPU time so far, in clock ticks, from the first line of
+    ``/proc/stat`` (None where there is none): ``busy`` (user and kernel code, interrupts
+    included), ``idle`` (waiting for I/O included) and ``steal`` (time a hypervisor gave the
+    virtual CPUs to someone else).  A benchmark reads from it whether a run was CPU-bound."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is already in user)
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return {"busy": user + nice + system + irq + softirq, "idle": idle + iowait,
+            "steal": steal}
+
+
 def dgt_counters(kv) -> Optional[dict]:
     worker = getattr(kv, "worker", None)
     if worker is None:
@@ -309,6 +327,9 @@ def train(model: str, argv=None) -> dict:
                 record = {"event": "step", "step": step, "epoch": epoch, "time_s": now,
                           "train_time_s": now - eval_s,
                           "loss": float(np.mean(losses[-args.log_every:]))}
+                ticks = machine_cpu_ticks()
+                if ticks is not None:
+                    record["machine_cpu_ticks"] = ticks
                 counters = dgt_counters(kv)
                 if counters:
                     # Running totals: a reader takes per-step differences (dgt_cpu_ms: the

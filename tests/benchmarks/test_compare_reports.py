@@ -54,14 +54,40 @@ def test_worker_cpu_is_the_median_per_counted_step_after_the_warmup(tmp_path):
     assert summarise_curve(str(curve), 0.6, warmup=1)["worker_cpu_ms"] == pytest.approx(10.0)
 
 
+def test_machine_cpu_is_its_share_over_the_training_steps_without_the_evaluation(tmp_path):
+    """Ticks per step: 10 busy of 10 in the warm-up, then 6 busy, 1 idle, 3 stolen a step,
+    except across the evaluation after step 5 (100 busy), which is left out as its time is."""
+    ticks, lines = {"busy": 0, "idle": 0, "steal": 0}, []
+    for step in range(1, 11):
+        warm = step <= 3
+        across_eval = step == 6
+        for name, per_step in (("busy", 100 if across_eval else 10 if warm else 6),
+                               ("idle", 0 if warm or across_eval else 1),
+                               ("steal", 0 if warm or across_eval else 3)):
+            ticks[name] += per_step
+        lines.append({"event": "step", "step": step, "train_time_s": step * 0.5,
+                      "machine_cpu_ticks": dict(ticks)})
+        if step == 5:
+            lines.append({"event": "eval", "step": 5, "train_time_s": 2.5, "accuracy": 0.5})
+    curve = tmp_path / "c.jsonl"
+    curve.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = summarise_curve(str(curve), 0.6, warmup=3)
+    assert out["machine_cpu_busy"] == pytest.approx(0.6)
+    assert out["machine_cpu_steal"] == pytest.approx(0.3)
+    # Records without ticks (another OS, or an older run): nothing is claimed.
+    recorded_curve(curve, 0.5, {5: 0.4, 10: 0.7})
+    out = summarise_curve(str(curve), 0.6, warmup=3)
+    assert out["machine_cpu_busy"] is None and out["machine_cpu_steal"] is None
+
+
 def test_reports_are_written_with_every_column(tmp_path):
     args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
                               results_dir=str(tmp_path))
     recorded_curve(tmp_path / "t-alexnet-dgt.jsonl", 0.4, {5: 0.5, 10: 0.8})
     recorded_curve(tmp_path / "t-alexnet-dist_sync.jsonl", 0.8, {5: 0.5, 10: 0.8})
     rows = [Row("dgt", "alexnet", 2, 1000.0, 10, 0.4, 0.45, 160.0, 150e6, 0.1, 2.0, 0.8, 0.2,
-                1.2, worker_cpu_ms=20.0, server_cpu_ms=40.0,
-                channel_bytes_per_step=[60e6, 5e6, 4.5e6, 4e6]),
+                1.2, worker_cpu_ms=20.0, server_cpu_ms=40.0, machine_cpu_busy=0.854,
+                machine_cpu_steal=0.1, channel_bytes_per_step=[60e6, 5e6, 4.5e6, 4e6]),
             Row("dist_sync", "alexnet", 2, 1000.0, 10, 0.8, 0.9, 80.0, 320e6, None, 4.0, 0.8,
                 0.2, 2.6),
             Row("horovod", "alexnet", 2, 1000.0, status="not installed")]
@@ -75,8 +101,10 @@ def test_reports_are_written_with_every_column(tmp_path):
     text = (tmp_path / "t.md").read_text()
     assert "| alexnet | dgt | 0.400 | 0.450 | 0.50 |" in text  # ratio vs dist_sync
     assert "| 150.0 | 60.0; 5.0; 4.5; 4.0 | 10.0% |" in text  # kernel total, dgt's channels
-    assert "| 20.0 (5.0 %), 40.0 (10.0 %) | ok |" in text  # dgt's CPU and its share of 0.4 s
-    assert "| 2.600 | - | ok |" in text  # no dgt CPU for dist_sync
+    # dgt's CPU and its share of 0.4 s, then the machine's busy and stolen shares
+    assert "| 20.0 (5.0 %), 40.0 (10.0 %) | 85 %, 10 % | ok |" in text
+    assert "| 2.600 | - | - | ok |" in text  # no dgt CPU for dist_sync, no machine figures
+    assert float(table[0]["machine_cpu_busy"]) == 0.854 and table[1]["machine_cpu_busy"] == ""
     assert "not installed" in text and text == markdown(rows, args, "Machine: test.")
     assert "Time to target" not in text  # no target was asked for
     args.target_accuracy, args.eval_every, args.eval_samples = 0.7, 5, 0

@@ -33,6 +33,29 @@ def test_each_model_trains_a_few_steps(model, kvstore, tmp_path):
     assert f"model {model}, kvstore {kvstore}, 2 workers" in out and "steps 3" in out
     records = [line for line in log.read_text().splitlines() if '"summary"' in line]
     assert records, "rank 0 wrote no summary"
+    steps = [line for line in log.read_text().splitlines() if '"event": "step"' in line]
+    if os.path.exists("/proc/stat"):  # what benchmarks.compare reads a run's CPU from
+        assert steps and all('"machine_cpu_ticks"' in line for line in steps)
+
+
+def test_machine_cpu_ticks_count_every_core_s_time():
+    """Over a wall-clock interval the busy, idle and stolen ticks of all cores add up to the
+    interval times the cores (at the kernel's clock-tick rate)."""
+    pytest.importorskip("mxnet")
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("needs Linux's /proc/stat")
+    import time
+
+    import common
+    before, began = common.machine_cpu_ticks(), time.monotonic()
+    deadline = began + 1.0
+    while time.monotonic() < deadline:  # keep one core busy
+        pass
+    after, elapsed = common.machine_cpu_ticks(), time.monotonic() - began
+    grown = {name: after[name] - before[name] for name in before}
+    assert all(value >= 0 for value in grown.values()) and grown["busy"] > 0
+    expected = elapsed * os.cpu_count() * os.sysconf("SC_CLK_TCK")
+    assert sum(grown.values()) == pytest.approx(expected, rel=0.25)
 
 
 @pytest.mark.parametrize("kvstore", ["horovod", "horovod_fp16"])
