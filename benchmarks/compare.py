@@ -109,17 +109,11 @@ class Row:
 
 # -- measuring one run ------------------------------------------------------------------------
 def summarise_curve(path: str, target: float, warmup: int) -> dict:
-    steps, evals, summary, records = [], [], {}, []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            records.append(record)
-            if record.get("event") == "step":
-                steps.append(record)
-            elif record.get("event") == "eval":
-                evals.append(record)
-            elif record.get("event") == "summary":
-                summary = record
+        records = [json.loads(line) for line in f]
+    steps = [r for r in records if r.get("event") == "step"]
+    evals = [r for r in records if r.get("event") == "eval"]
+    summary = next((r for r in reversed(records) if r.get("event") == "summary"), {})
     times = [b["train_time_s"] - a["train_time_s"] for a, b in zip(steps, steps[1:])
              if b["step"] == a["step"] + 1 and b["step"] > warmup]
     out = {"steps": summary.get("steps", len(steps)),
