@@ -59,6 +59,8 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.rounds import combine_rounds, round_order, same_round_ratios  # noqa: E402
 from benchmarks.testbed import Testbed, available  # noqa: E402
+from benchmarks.timeline import load_events, part_times  # noqa: E402
+from benchmarks.timeline import report as timeline_report  # noqa: E402
 from dgt.launch import _Child, supervise  # noqa: E402
 from dgt.server import own_cpu_from_log  # noqa: E402
 
@@ -272,6 +274,10 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
         if system == "dgt-reliable":
             job["DGT_ENABLE"] = "0"
         job.update(args.dgt_env)
+        if getattr(args, "trace", False):
+            trace_dir = trace_dir_of(curve)
+            os.makedirs(trace_dir, exist_ok=True)
+            job["DGT_TRACE"] = os.path.join(trace_dir, "{role}{index}.jsonl")
         job.update(getattr(args, "variants", {}).get(system, {}))
         for index, node in enumerate(servers):
             children.append(_Child("server", index, bed.exec_prefix(node) + [
@@ -324,6 +330,24 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
     return children
 
 
+def trace_dir_of(curve: str) -> str:
+    """Where a run's ``DGT_TRACE`` files go: beside its curve, ``<tag>-trace/``."""
+    return os.path.splitext(curve)[0] + "-trace"
+
+
+def write_timeline(curve: str, warmup: int = 3) -> Optional[str]:
+    """Sum up a traced run's message timelines into ``<tag>-timeline.md``; its path, or None
+    when the run left no trace."""
+    trace_dir = trace_dir_of(curve)
+    events = load_events([trace_dir]) if os.path.isdir(trace_dir) else []
+    if not events:
+        return None
+    path = os.path.splitext(curve)[0] + "-timeline.md"
+    with open(path, "w", encoding="utf-8") as out:
+        out.write("\n".join(timeline_report(part_times(events), warmup)) + "\n")
+    return path
+
+
 def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float],
             round_index: int = 0) -> Row:
     rounds = getattr(args, "rounds", 1)
@@ -355,6 +379,10 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
         row.status = f"failed (exit {code}, see {os.path.relpath(log_path, ROOT)})"
         return row
     measured = summarise_curve(curve, args.target_accuracy, warmup=3)
+    if getattr(args, "trace", False) and system.startswith("dgt"):
+        timeline = write_timeline(curve)
+        if timeline:
+            print(f"  wrote {os.path.relpath(timeline)}", flush=True)
     row.steps = measured["steps"]
     row.step_time_s = measured.get("step_time_s")
     row.step_time_p90_s = measured.get("step_time_p90_s")
@@ -658,6 +686,9 @@ def main(argv=None) -> int:
                         metavar="NAME:DGT_X=VALUE,...",
                         help="also run dgt with these settings, as system dgt-NAME "
                              "(repeatable)")
+    parser.add_argument("--trace", action="store_true",
+                        help="dgt runs write DGT_TRACE message timelines (<tag>-trace/) and "
+                             "their summary, <tag>-timeline.md (see benchmarks/timeline.py)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the systems this many times, forwards then backwards "
                              "(A B C, C B A, ...), so that the machine's drift over the run "

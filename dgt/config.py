@@ -141,6 +141,12 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("stats", "DGT_STATS", str, "", "a file path, or empty", None,
          "Write one JSON line per step per worker (bytes and blocks per channel, loss, k, "
          "grace, latency). '{rank}' in the path is replaced by the worker rank.", "worker"),
+    Knob("trace", "DGT_TRACE", str, "", "empty, or a file path with {role} and {index}",
+         lambda v: v == "" or ("{role}" in v and "{index}" in v),
+         "Write one JSON line per message event (a part pushed, arrived, closed, replied, "
+         "its reply received), wall-clock stamped, to this path with {role} (worker or "
+         "server) and {index} (rank or server index) filled in; `python -m "
+         "benchmarks.timeline` reads them.", "all"),
     # --- job and rendezvous ----------------------------------------------------------------
     Knob("role", "DGT_ROLE", str, "worker", "worker|server", lambda v: v in ROLES,
          "Role of this process (set by dgt-launch). DMLC_ROLE is never read for this: "
@@ -231,6 +237,7 @@ class Config:
     timeout_s: float = 300.0
     log_level: str = "INFO"
     stats: str = ""
+    trace: str = ""
     role: str = "worker"
     rank: int = -1
     num_workers: int = 1

@@ -35,6 +35,7 @@ from .transport.links import (CLOSE_DRAIN_S, POLLIN, POLLOUT, SOCKET_QUEUE_MESSA
                                send_frames_nowait)
 from .transport.outbox import PriorityOutbox
 from .transport.priority import apply_zmq_priority
+from .trace import open_tracer
 from .transport.udp import UdpReceiver
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLAG_WEIGHTS,
                    HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
@@ -177,6 +178,7 @@ class Server:
         self._buckets: Dict[int, _Bucket] = {}
         self._stop = threading.Event()
         self._last_activity = time.monotonic()
+        self._trace = open_tracer(config.trace, "server", config.server_index)
 
     def _bind(self, host: str, port: int):
         """Bind TCP and UDP on the same port number (a free one when ``port`` is 0)."""
@@ -241,6 +243,7 @@ class Server:
             self._log_counters()
             self._router.close()
             self._udp.close()
+            self._trace.close()
         return code
 
     def _everyone_left(self) -> bool:
@@ -334,6 +337,7 @@ class Server:
             self.own_cpu_s += time.thread_time() - began
         elif mtype is MsgType.PUSH_END:
             self.merger.add_push_end(header, time.monotonic())
+            self._trace.record("end", header.key, header.part, header.step, header.rank)
         elif mtype is MsgType.INIT:
             self._on_init(header, frames)
         elif mtype is MsgType.PULL:
@@ -421,6 +425,7 @@ class Server:
                                       "initialised (broadcast/init) on the server")
         self._push_priority[(header.key, header.part)] = header.priority
         self.merger.add_push(header, blocks, chunks, time.monotonic(), scores)
+        self._trace.record("arrive", header.key, header.part, header.step, header.rank)
 
     def _on_fuse(self, header: Header, frames) -> None:
         """Record that key ``header.key`` is a bucket: its members' tensors end to end."""
@@ -527,6 +532,7 @@ class Server:
         """Apply the optimizer (if any) and queue the replies of a closed step; returns the
         optimizer's CPU seconds."""
         key = (closed.key, closed.part)
+        self._trace.record("close", closed.key, closed.part, closed.step, -1)
         flags = 0
         bucket = self._buckets.get(closed.key)
         optimizer_s, optimizer_began = 0.0, time.thread_time()
@@ -570,6 +576,7 @@ class Server:
             score_frames = [closed.scores]
         self.counters["reply_bytes"] += sum(c.nbytes for c in chunks) * self.config.num_workers
         priority = self._push_priority.get(key, 0)
+        self._trace.record("reply", closed.key, closed.part, closed.step, -1)
         for rank in range(self.config.num_workers):
             header = Header(MsgType.REPLY, job=self.config.job_id, rank=rank,
                             dtype=dtype_code(payload.dtype), key=closed.key,

@@ -36,6 +36,7 @@ from .pending import Pending
 from .policy import AdaptiveThreshold, assign_channels
 from .scoring import ContributionState, score_blocks
 from .stats import JsonLinesSink, StepStats
+from .trace import NO_TRACE, open_tracer
 from .transport.links import ServerLinks
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLOAT_CODES,
@@ -136,6 +137,7 @@ class Worker:
         self._round_lock = threading.RLock()
         self._plan_lock = threading.Lock()
         self._sink: Optional[JsonLinesSink] = None
+        self._trace = NO_TRACE
         self._udp = UdpSender(config.udp_channels, config.udp_buffer_bytes)
         self._closed = False
         self.rank = config.rank
@@ -146,6 +148,7 @@ class Worker:
         self._hello()
         if config.stats:
             self._sink = JsonLinesSink(config.stats_path(self.rank))
+        self._trace = open_tracer(config.trace, "worker", self.rank)
         _ACTIVE.add(self)
         logger.info("worker %d/%d connected to %d server(s); %s", self.rank, self.num_workers,
                     len(addrs), config)
@@ -229,9 +232,14 @@ class Worker:
         k = step_stats.k if step_stats is not None else self._threshold.k
         priority = clamp_priority(priority)
         socket_s = 0.0
+        trace = self._trace
         for part, step in zip(plan.parts, steps):
+            began = time.time() if trace.enabled else 0.0
             socket_s += self._push_part(key, part, step, flat[part.start:part.stop], pending,
                                         step_stats, k, priority)
+            if trace.enabled:  # stamped when it began: the server may merge it before now
+                trace.record("push", key, part.index, step, self.rank, t=began,
+                             handed=time.time())
         self._add_cpu(step_stats, time.thread_time() - cpu_began - socket_s)
         return pending
 
@@ -356,6 +364,7 @@ class Worker:
             self._record_counted(everything=True)
         if self._sink is not None:
             self._sink.close()
+        self._trace.close()
 
     def __enter__(self):
         return self
@@ -684,6 +693,7 @@ class Worker:
 
     def _on_reply(self, header: Header, frames) -> None:
         cpu_began = time.thread_time()
+        self._trace.record("reply", header.key, header.part, header.step, self.rank)
         entry = self._pop(("push", header.key, header.part, header.step))
         if entry is None:
             self._fail_all(RemoteProtocolError(f"reply for an unknown push: {header.debug_str()}"))

@@ -185,3 +185,56 @@ def test_a_bad_background_load_is_refused_before_any_set_up(flags, capsys):
     with pytest.raises(SystemExit):
         compare.main(flags)
     assert "--cross-" in capsys.readouterr().err
+
+
+class _Bed:
+    """What job_processes reads of a Testbed: addresses and the namespace prefix."""
+
+    addresses = {"server": "10.0.0.1", "worker0": "10.0.0.2", "worker1": "10.0.0.3"}
+
+    def exec_prefix(self, node):
+        return ["ip", "netns", "exec", node]
+
+
+def _job_args(tmp_path, trace):
+    return argparse.Namespace(workers=2, servers=1, colocate=False, steps=5, batch_size=8,
+                              lr=0.01, eval_samples=100, eval_every=0, seed=0, dgt_env={},
+                              variants={}, trace=trace, results_dir=str(tmp_path))
+
+
+class _Unstarted:
+    """Stands for dgt.launch._Child: records what would be started, starts nothing."""
+
+    def __init__(self, role, rank, argv, env, out=None, host=None):
+        self.role, self.rank, self.argv, self.env = role, rank, argv, env
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_trace_flag_gives_every_dgt_process_a_trace_path(tmp_path, monkeypatch, trace):
+    monkeypatch.setattr(compare, "_Child", _Unstarted)
+    curve = str(tmp_path / "run-alexnet-dgt.jsonl")
+    children = compare.job_processes("dgt", _Bed(), _job_args(tmp_path, trace), "alexnet",
+                                     curve, None)
+    assert {c.role for c in children} == {"server", "worker"}
+    for child in children:
+        if trace:
+            assert child.env["DGT_TRACE"] == str(tmp_path / "run-alexnet-dgt-trace"
+                                                 / "{role}{index}.jsonl")
+        else:
+            assert "DGT_TRACE" not in child.env
+    assert (tmp_path / "run-alexnet-dgt-trace").is_dir() == trace
+
+
+def test_a_traced_run_gets_its_timeline_summary_and_an_untraced_one_none(tmp_path):
+    from tests.benchmarks.test_timeline import two_keys_three_steps
+
+    curve = str(tmp_path / "run-alexnet-dgt.jsonl")
+    assert compare.write_timeline(curve) is None
+    trace_dir = tmp_path / "run-alexnet-dgt-trace"
+    trace_dir.mkdir()
+    (trace_dir / "all.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in two_keys_three_steps()))
+    path = compare.write_timeline(curve, warmup=0)
+    assert path == str(tmp_path / "run-alexnet-dgt-timeline.md")
+    text = open(path).read()
+    assert "| 7 | 1 | 0.0 | 100.0 | 50.0 | 10.0 | 40.0 |" in text

@@ -552,3 +552,42 @@ def test_workers_with_different_wire_dtypes_are_refused(make_job):
         with pytest.raises(StepTimeout):
             waiting.wait()
     assert servers[0].server.counters["steps_closed"] == 0
+
+
+def test_traced_job_records_every_part_once_per_worker_in_causal_order(make_job, tmp_path):
+    """DGT_TRACE: each (key, part, step) has one push and one reply per worker, one arrival
+    per worker and one close and reply at its server, stamped push <= arrive <= queued <=
+    reply in (one clock: every process here shares it); the timeline reads them back."""
+    from benchmarks.timeline import load_events, part_times, step_summary
+
+    template = str(tmp_path / "{role}{index}.jsonl")
+    config, servers = make_job(2, num_servers=2, threshold=0.5, threshold_min=0.1,
+                               adaptive=False, grace_ms=50, part_elems=4096, trace=template)
+    sizes = (3000, 10_000)  # 1 part; 3 parts of 4096 over both servers
+    steps = 3
+
+    def body(worker):
+        for _ in range(steps):
+            pendings = [worker.pushpull(key, np.full(n, worker.rank + 1, np.float32))
+                        for key, n in enumerate(sizes)]
+            results = [p.wait().copy() for p in pendings]
+            assert all((r == 3).all() for r in results)
+        return None
+
+    run_workers(config, body, 2)
+    for server in servers:
+        server.stop()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["server0.jsonl", "server1.jsonl", "worker0.jsonl", "worker1.jsonl"]
+    parts = part_times(load_events([str(tmp_path)]))
+    expected = {(0, 0, s) for s in range(steps)} | {(1, p, s) for p in range(3)
+                                                    for s in range(steps)}
+    assert set(parts) == expected
+    for ident, times in parts.items():
+        assert times.complete(2), ident
+        assert times.closed is not None and times.closed <= times.queued
+        for rank in (0, 1):
+            assert times.pushed[rank] <= times.arrived[rank] <= times.queued \
+                <= times.received[rank], (ident, rank)
+    summary = step_summary(parts)
+    assert summary["steps"] == steps and summary["span_ms"] > 0
