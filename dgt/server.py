@@ -31,11 +31,11 @@ from .fusion import FUSED_KEY_BASE
 from .kernels import warm_up
 from .merge import ClosedStep, StepMerger, merge_datagram_batch
 from .partition import BlockLayout
+from .trace import open_tracer
 from .transport.links import (CLOSE_DRAIN_S, POLLIN, POLLOUT, SOCKET_QUEUE_MESSAGES,
                                send_frames_nowait)
 from .transport.outbox import PriorityOutbox
 from .transport.priority import apply_zmq_priority
-from .trace import open_tracer
 from .transport.udp import UdpReceiver
 from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLAG_WEIGHTS,
                    HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
