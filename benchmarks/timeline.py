@@ -3,10 +3,11 @@
     DGT_TRACE=/tmp/t/{role}{index}.jsonl dgt-launch ...      # or benchmarks.compare --trace
     python -m benchmarks.timeline /tmp/t/*.jsonl [--warmup 3]
 
-Every part of every key is pushed once per training step, so its step number is the training
-step.  For each (key, part, step) the files give when each worker began its push (the
+Every part of every key is pushed once per training step; each push names its worker's
+training step.  For each (key, part, step) the files give when each worker began its push (the
 gradient ready, handed to dgt), when the server merged it, when the step closed and the
-replies were queued, and when each worker got its reply.  Printed, as medians over the steps after ``--warmup``:
+replies were queued, and when each worker got its reply.  Printed, as medians over the
+steps after ``--warmup``:
 
 * per key (its parts together), in push order: the round trip (push begun -> reply in, the
   slowest worker's), split into the way up (push -> merged at the server, the last worker's),
@@ -68,13 +69,22 @@ def load_events(paths: Iterable[str]) -> List[dict]:
 
 
 def part_times(events: Iterable[dict]) -> Dict[Tuple[int, int, int], PartTimes]:
-    """(key, part, step) -> its :class:`PartTimes`."""
-    parts: Dict[Tuple[int, int, int], PartTimes] = defaultdict(PartTimes)
+    """(key, part, training step) -> its :class:`PartTimes`.
+
+    Messages count a part's own pushes (``step``); a push also says which training step of
+    its worker it belongs to (``round``), and that is the step the part is filed under, so
+    that keys whose counts started late (fused buckets) line up with the others.  Without a
+    round (-1) the part's own count stands."""
+    by_message: Dict[Tuple[int, int, int], PartTimes] = defaultdict(PartTimes)
+    rounds: Dict[Tuple[int, int, int], int] = {}
     for event in events:
-        times = parts[(event["key"], event["part"], event["step"])]
+        ident = (event["key"], event["part"], event["step"])
+        times = by_message[ident]
         kind, role, rank, t = event["event"], event["role"], event["rank"], event["t"]
         if role == "worker" and kind == "push":
             times.pushed[rank] = t
+            if event.get("round", -1) >= 0:
+                rounds[ident] = min(rounds.get(ident, event["round"]), event["round"])
         elif role == "worker" and kind == "reply":
             times.received[rank] = t
         elif role == "server" and kind == "arrive":
@@ -83,7 +93,8 @@ def part_times(events: Iterable[dict]) -> Dict[Tuple[int, int, int], PartTimes]:
             times.closed = t
         elif role == "server" and kind == "reply":
             times.queued = t
-    return dict(parts)
+    return {(key, part, rounds.get((key, part, step), step)): times
+            for (key, part, step), times in by_message.items()}
 
 
 def _workers(parts: Dict[Tuple[int, int, int], PartTimes]) -> int:

@@ -10,7 +10,9 @@ Events (``event``; all carry ``key``, ``part``, ``step`` and the ``rank`` of the
 for a server event that concerns every worker):
 
 * worker ``push``: dgt began the part's push, its gradient ready (``handed``: when the
-  encoded part was handed to the sockets, datagrams sent);
+  encoded part was handed to the sockets, datagrams sent; ``round``: the worker's training
+  step, one round over the keys as in ``DGT_STATS``, -1 outside one.  ``step`` counts the
+  pushes of one part, and a fused bucket's count starts a round late);
 * worker ``reply``: the part's reply arrived;
 * server ``arrive``: a worker's push was decoded and merged;  ``end``: its end-of-datagrams
   marker arrived;
@@ -45,13 +47,11 @@ class Tracer:
         self.events = 0
 
     def record(self, event: str, key: int, part: int, step: int, rank: int,
-               t: Optional[float] = None, handed: Optional[float] = None) -> None:
-        """One event, stamped ``t`` (now when None)."""
+               t: Optional[float] = None, **fields) -> None:
+        """One event, stamped ``t`` (now when None), with any further ``fields``."""
         record = {"t": time.time() if t is None else t, "role": self._role,
                   "index": self._index, "event": event, "key": key, "part": part,
-                  "step": step, "rank": rank}
-        if handed is not None:
-            record["handed"] = handed
+                  "step": step, "rank": rank, **fields}
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is not None:

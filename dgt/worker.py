@@ -239,7 +239,8 @@ class Worker:
                                         step_stats, k, priority)
             if trace.enabled:  # stamped when it began: the server may merge it before now
                 trace.record("push", key, part.index, step, self.rank, t=began,
-                             handed=time.time())
+                             handed=time.time(),
+                             round=step_stats.step if step_stats is not None else -1)
         self._add_cpu(step_stats, time.thread_time() - cpu_began - socket_s)
         return pending
 

@@ -96,3 +96,21 @@ def test_cli_reads_a_directory_and_refuses_bad_lines(tmp_path, capsys):
     empty.mkdir()
     assert main([str(empty)]) == 2
     assert "DGT_TRACE" in capsys.readouterr().err
+
+
+def test_parts_are_filed_under_their_workers_training_step_not_their_own_count():
+    """A fused bucket's own count starts a round late: its push number s belongs to training
+    step s + 1, which the pushes' ``round`` says; without a round the count stands."""
+    events = two_keys_three_steps()
+    for e in events:
+        if e["key"] == 3:
+            e["step"] -= 1  # key 3 counts from -1 ... i.e. one behind key 7
+        if e["event"] == "push":
+            e["round"] = int(e["t"])  # steps start at 0.0, 1.0, 2.0
+    parts = part_times(events)
+    assert {s for (k, _, s) in parts if k == 3} == {0, 1, 2}
+    summary = step_summary(parts)
+    assert summary["steps"] == 3 and summary["span_ms"] == pytest.approx(410.0)
+    for e in events:
+        e.pop("round", None)
+    assert {s for (k, _, s) in part_times(events) if k == 3} == {-1, 0, 1}
