@@ -111,16 +111,16 @@ def key_summary(parts: Dict[Tuple[int, int, int], PartTimes], warmup: int = 0) -
     first_push = _first_push_per_step(parts)
     by_key: Dict[int, dict] = {}
     for (key, part, step), times in parts.items():
-        if step < warmup or not times.complete(workers) or step not in first_push:
+        if step < warmup or not times.complete(workers):
             continue
-        row = by_key.setdefault(key, {"key": key, "parts": set(), "offset": [], "round": [],
+        row = by_key.setdefault(key, {"key": key, "parts": set(), "offset": [], "trip": [],
                                       "up": [], "server": [], "down": []})
         row["parts"].add(part)
         pushed_last = max(times.pushed.values())
         arrived_last = max(times.arrived.values())
         received_last = max(times.received.values())
         row["offset"].append(min(times.pushed.values()) - first_push[step])
-        row["round"].append(received_last - pushed_last)
+        row["trip"].append(received_last - pushed_last)
         row["up"].append(arrived_last - pushed_last)
         row["server"].append(times.queued - arrived_last)
         row["down"].append(received_last - times.queued)
@@ -128,7 +128,7 @@ def key_summary(parts: Dict[Tuple[int, int, int], PartTimes], warmup: int = 0) -
     for row in by_key.values():
         rows.append({"key": row["key"], "parts": len(row["parts"]),
                      "pushed_after_ms": _median_ms(row["offset"]),
-                     "round_trip_ms": _median_ms(row["round"]), "up_ms": _median_ms(row["up"]),
+                     "round_trip_ms": _median_ms(row["trip"]), "up_ms": _median_ms(row["up"]),
                      "at_server_ms": _median_ms(row["server"]),
                      "down_ms": _median_ms(row["down"])})
     return sorted(rows, key=lambda r: r["pushed_after_ms"])
