@@ -58,7 +58,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from benchmarks.rounds import combine_rounds, round_order, same_round_ratios  # noqa: E402
-from benchmarks.testbed import Testbed, available  # noqa: E402
+from benchmarks.testbed import LOW_QUEUE_FRAMES, Testbed, available  # noqa: E402
 from benchmarks.timeline import load_events, part_times  # noqa: E402
 from benchmarks.timeline import report as timeline_report  # noqa: E402
 from dgt.launch import _Child, supervise  # noqa: E402
@@ -476,6 +476,10 @@ def markdown(rows: List[Row], args, machine: str,
                      f"out of every node of the job, at IP precedence "
                      f"{getattr(args, 'cross_precedence', 0)}, for every system; its bytes are "
                      "not in MB/step nor in the lower bound.")
+    low_queue = getattr(args, "low_queue_frames", LOW_QUEUE_FRAMES)
+    if low_queue != LOW_QUEUE_FRAMES:
+        lines.append(f"Low classes' queues: {low_queue} full frames (the testbed's default "
+                     f"{LOW_QUEUE_FRAMES}).")
     if getattr(args, "dgt_env", None):
         lines.append(f"Every dgt run: {settings(args.dgt_env)}.")
     for name, env in getattr(args, "variants", {}).items():
@@ -672,6 +676,11 @@ def main(argv=None) -> int:
                         help="IP precedence of the background load, 0 (best effort, the "
                              "class of MXNet's and Horovod's traffic) .. 3 (dgt's reliable "
                              "channel's)")
+    parser.add_argument("--low-queue-frames", type=int, default=LOW_QUEUE_FRAMES,
+                        help="queue of every class below the top one, in full frames "
+                             f"({LOW_QUEUE_FRAMES}); the lowest class also carries MXNet's "
+                             "and Horovod's unmarked TCP, so a short queue drops it too "
+                             "(RESULTS.md, 2026-12-04)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -709,6 +718,9 @@ def main(argv=None) -> int:
     if not 0 <= args.cross_precedence <= 3:
         parser.error(f"--cross-precedence {args.cross_precedence} is out of range: allowed "
                      "0..3 (the testbed's precedence levels)")
+    if not 1 <= args.low_queue_frames <= 100_000:
+        parser.error(f"--low-queue-frames {args.low_queue_frames} is out of range: allowed "
+                     "1..100000")
     if not 1 <= args.rounds <= 20:
         parser.error(f"--rounds {args.rounds} is out of range: allowed 1..20")
     if not args.two_bit_threshold > 0:  # refused here, not by the 2-bit job after set-up
@@ -733,7 +745,8 @@ def main(argv=None) -> int:
     # rendezvous run there (control traffic only).
     nodes = server_nodes(1 if args.colocate else args.servers) + \
         [f"worker{r}" for r in range(args.workers)]
-    with Testbed(nodes, rate_mbit=args.rate, cross_precedence=args.cross_precedence) as bed:
+    with Testbed(nodes, rate_mbit=args.rate, cross_precedence=args.cross_precedence,
+                 low_queue_packets=args.low_queue_frames) as bed:
         if args.cross_traffic:
             bed.start_cross_traffic(job_nodes(args), args.cross_traffic)
         for model in args.models.split(","):

@@ -45,6 +45,7 @@ from benchmarks.crosstraffic import DISCARD_PORT, interface_bytes
 __all__ = ["Testbed", "available", "TestbedUnavailable"]
 
 MTU_FRAME_BYTES = 1514
+LOW_QUEUE_FRAMES = 100  # queue of every class below the top one, in full frames
 CROSS_CLASS = "1:30"  # the background load's own HTB class on every shaped device
 HTB_QUANTUM_BYTES = 100_000  # > a 64 KB GSO/TSO packet, < HTB's 200 000 ceiling
 NETNS_ETC = "/etc/netns"  # per-namespace /etc files that `ip netns exec` mounts
@@ -99,7 +100,7 @@ class Testbed:
     nodes: List[str]
     rate_mbit: float = 1000.0
     udp_channels: int = 3
-    low_queue_packets: int = 100
+    low_queue_packets: int = LOW_QUEUE_FRAMES
     high_queue_packets: int = 1000
     subnet: str = "10.213.77"  # private, testbed-only addresses: <subnet>.<1..>
     cross_precedence: int = 0  # IP precedence of the background load, 0..udp_channels

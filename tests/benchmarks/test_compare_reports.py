@@ -178,6 +178,18 @@ def test_the_background_load_runs_through_every_node_of_the_job_and_is_stated(tm
             "job, at IP precedence 0" in markdown([], args, "M."))
 
 
+def test_the_low_queue_setting_is_checked_and_reported(tmp_path, capsys):
+    for bad in ("0", "100001"):
+        with pytest.raises(SystemExit):
+            compare.main(["--low-queue-frames", bad])
+        assert "--low-queue-frames" in capsys.readouterr().err
+    args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
+                              results_dir=str(tmp_path))
+    assert "Low classes' queues" not in markdown([], args, "M.")
+    args.low_queue_frames = 1000
+    assert "Low classes' queues: 1000 full frames" in markdown([], args, "M.")
+
+
 @pytest.mark.parametrize("flags", [["--cross-traffic", "-1"],
                                    ["--rate", "250", "--cross-traffic", "300"],
                                    ["--cross-traffic", "100", "--cross-precedence", "4"]])
