@@ -182,7 +182,7 @@ def test_the_low_queue_setting_is_checked_and_reported(tmp_path, capsys):
     for bad in ("0", "100001"):
         with pytest.raises(SystemExit):
             compare.main(["--low-queue-frames", bad])
-        assert "--low-queue-frames" in capsys.readouterr().err
+        assert f"--low-queue-frames {bad} is out of range" in capsys.readouterr().err
     args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
                               results_dir=str(tmp_path))
     assert "Low classes' queues" not in markdown([], args, "M.")
