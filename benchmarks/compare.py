@@ -63,6 +63,7 @@ from benchmarks.timeline import load_events, part_times  # noqa: E402
 from benchmarks.timeline import report as timeline_report  # noqa: E402
 from dgt.launch import _Child, supervise  # noqa: E402
 from dgt.server import own_cpu_from_log  # noqa: E402
+import examples.data as examples_data  # noqa: E402
 
 SYSTEMS = ("dgt", "dgt-reliable", "dist_sync", "dist_sync_2bit", "dist_sync_p3", "horovod",
            "horovod_fp16")
@@ -735,6 +736,11 @@ def main(argv=None) -> int:
     if reason:
         print(f"benchmark skipped: the testbed {reason}")
         return 0
+    # Checked before the testbed is built: otherwise every run fails minutes later, one by one.
+    problem = examples_data.fashion_mnist_missing()
+    if problem:
+        print(f"benchmark refused: {problem}", file=sys.stderr)
+        return 2
     os.makedirs(args.results_dir, exist_ok=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     machine = (f"Machine: {os.cpu_count()} cores, "

@@ -49,14 +49,22 @@ def _read_idx(path: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
-def load_fashion_mnist(data_dir: str = "") -> Dataset:
+def fashion_mnist_missing(data_dir: str = "") -> str:
+    """Why Fashion-MNIST cannot be read from ``data_dir`` (and how to fix it), or ``""``."""
     directory = data_dir or FASHION_MNIST_DIR
     missing = [f for f in FASHION_FILES if not os.path.exists(os.path.join(directory, f))]
-    if missing:
-        raise DatasetMissing(
-            f"Fashion-MNIST not found in {directory} (missing {', '.join(missing)}). Install "
-            "the Debian package: `sudo apt-get install dataset-fashion-mnist` (`make demo` does "
-            "it when run as root), or pass --data-dir with those four files.")
+    if not missing:
+        return ""
+    return (f"Fashion-MNIST not found in {directory} (missing {', '.join(missing)}). Install "
+            "the Debian package: `sudo apt-get install dataset-fashion-mnist` (`make dataset` "
+            "does it when run as root), or pass --data-dir with those four files.")
+
+
+def load_fashion_mnist(data_dir: str = "") -> Dataset:
+    problem = fashion_mnist_missing(data_dir)
+    if problem:
+        raise DatasetMissing(problem)
+    directory = data_dir or FASHION_MNIST_DIR
     arrays = [_read_idx(os.path.join(directory, f)) for f in FASHION_FILES]
     train_x, train_y, test_x, test_y = arrays
     return Dataset("fashion-mnist", train_x[:, None], train_y.astype(np.int64),

@@ -142,6 +142,7 @@ def test_a_run_of_several_rounds_alternates_and_folds(tmp_path, monkeypatch):
                    round=round_index + 1, status="ok")
 
     monkeypatch.setattr(compare, "available", lambda: "")
+    monkeypatch.setattr(compare.examples_data, "fashion_mnist_missing", lambda data_dir="": "")
     monkeypatch.setattr(compare, "Testbed", FakeBed)
     monkeypatch.setattr(compare, "measure_compute", lambda model, batch: 0.1)
     monkeypatch.setattr(compare, "run_one", fake_run)
@@ -164,3 +165,17 @@ def test_a_bad_number_of_rounds_is_refused_before_any_set_up(rounds, capsys):
     with pytest.raises(SystemExit):
         compare.main(["--rounds", rounds])
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_a_missing_dataset_is_refused_before_the_testbed_is_built(tmp_path, monkeypatch, capsys):
+    class Unbuildable:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the testbed was built although no run could read its data")
+
+    monkeypatch.setattr(compare, "available", lambda: "")
+    monkeypatch.setattr(compare.examples_data, "FASHION_MNIST_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(compare, "Testbed", Unbuildable)
+    assert compare.main(["--quick", "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Fashion-MNIST not found in" in err and "train-images-idx3-ubyte.gz" in err
+    assert "dataset-fashion-mnist" in err
