@@ -70,7 +70,7 @@ SYSTEMS = ("dgt", "dgt-reliable", "dist_sync", "dist_sync_2bit", "dist_sync_p3",
 HOROVOD_SYSTEMS = ("horovod", "horovod_fp16")
 COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "step_time_p90_s",
            "throughput_samples_s", "bytes_per_step", "channel_bytes_per_step", "udp_loss_rate",
-           "time_to_target_s",
+           "udp_late_rate", "time_to_target_s",
            "final_accuracy", "compute_s", "lower_bound_s", "worker_cpu_ms", "server_cpu_ms",
            "machine_cpu_busy", "machine_cpu_steal", "rounds", "status")
 
@@ -108,6 +108,8 @@ class Row:
     rounds: int = 1
     round: Optional[int] = None
     curve_paths: Optional[List[str]] = None  # the accuracy curves behind the row
+    # The part of udp_loss_rate that arrived, but after the server had closed its step.
+    udp_late_rate: Optional[float] = None
 
 
 # -- measuring one run ------------------------------------------------------------------------
@@ -122,6 +124,7 @@ def summarise_curve(path: str, target: float, warmup: int) -> dict:
     out = {"steps": summary.get("steps", len(steps)),
            "final_accuracy": evals[-1]["accuracy"] if evals else None,
            "udp_loss_rate": summary.get("udp_loss_rate"),
+           "udp_late_rate": summary.get("udp_late_rate"),
            "worker_cpu_ms": worker_cpu_median(steps, warmup)
            if any("dgt_cpu_ms" in s for s in steps) else summary.get("dgt_cpu_ms_per_step"),
            "accuracy_curve": [(e["train_time_s"], e["accuracy"]) for e in evals],
@@ -389,6 +392,7 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     row.step_time_p90_s = measured.get("step_time_p90_s")
     row.final_accuracy = measured["final_accuracy"]
     row.udp_loss_rate = measured["udp_loss_rate"]
+    row.udp_late_rate = measured["udp_late_rate"]
     row.time_to_target_s = measured["time_to_target_s"]
     row.worker_cpu_ms = measured["worker_cpu_ms"]
     row.machine_cpu_busy = measured["machine_cpu_busy"]
@@ -489,7 +493,7 @@ def markdown(rows: List[Row], args, machine: str,
         lines.append(f"`dist_sync_2bit`: threshold {getattr(args, 'two_bit_threshold', 0.5):g}.")
     lines += ["", "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
               "(server links) | dgt's count: MB/step worker 0 pushed per channel (TCP; UDP 1..C) "
-              "| UDP loss | time to target s | final acc | lower bound s | "
+              "| UDP loss (of it late) | time to target s | final acc | lower bound s | "
               "dgt CPU ms/step: worker, server (% of step) | machine CPU: busy, steal | status |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
@@ -500,13 +504,21 @@ def markdown(rows: List[Row], args, machine: str,
             f"{fmt(ratio, 2)} | {fmt(r.throughput_samples_s, 1)} | "
             f"{fmt(r.bytes_per_step / 1e6 if r.bytes_per_step else None, 1)} | "
             f"{channel_cell(r)} | "
-            f"{fmt(r.udp_loss_rate * 100 if r.udp_loss_rate is not None else None, 1)}"
-            f"{'%' if r.udp_loss_rate is not None else ''} | {fmt(r.time_to_target_s, 1)} | "
+            f"{loss_cell(r)} | {fmt(r.time_to_target_s, 1)} | "
             f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {cpu_cell(r)} | "
             f"{machine_cell(r)} | {r.status} |")
     if round_rows:
         lines += rounds_table(round_rows, args)
     return "\n".join(lines) + "\n"
+
+
+def loss_cell(row: Row) -> str:
+    """``42.0% (3.1% late)``: lost datagrams, and how many of them came after their step."""
+    if row.udp_loss_rate is None:
+        return "-"
+    cell = f"{fmt(row.udp_loss_rate * 100, 1)}%"
+    return cell + (f" ({fmt(row.udp_late_rate * 100, 1)}% late)"
+                   if row.udp_late_rate is not None else "")
 
 
 def rounds_table(round_rows: List[Row], args) -> List[str]:

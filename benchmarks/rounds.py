@@ -72,6 +72,7 @@ def combine_rounds(rows: Sequence, throughput_of=None):
         median_of("throughput_samples_s"),
         bytes_per_step=median_of("bytes_per_step"),
         udp_loss_rate=median_of("udp_loss_rate"),
+        udp_late_rate=median_of("udp_late_rate"),
         # A failed round has no time; it counts as a miss, as a round that never got there.
         time_to_target_s=median_reached([r.time_to_target_s for r in ok] + [None] * len(failed)),
         final_accuracy=statistics.fmean(accuracies) if accuracies else None,

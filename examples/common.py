@@ -360,6 +360,8 @@ def train(model: str, argv=None) -> dict:
         summary.update(bytes_per_channel=counters["bytes_per_channel"],
                        dgt_steps=counters["steps"],
                        udp_loss_rate=(counters["udp_lost"] / expected) if expected else 0.0,
+                       # Part of the loss: datagrams that did arrive, after their step closed.
+                       udp_late_rate=(counters["udp_late"] / expected) if expected else 0.0,
                        dgt_cpu_ms_per_step=counters["cpu_ms"] / max(counters["steps"], 1))
     if args.save_params:
         weights = np.concatenate([p.data().asnumpy().ravel()
@@ -390,6 +392,7 @@ def print_summary(summary: dict, workers: int) -> None:
     if "bytes_per_channel" in summary:
         mb = ", ".join(f"ch{i} {b / 1e6:.1f} MB" for i, b in enumerate(summary["bytes_per_channel"]))
         lines.append(f"bytes sent by rank 0: {mb} (ch0 = TCP)")
-        lines.append(f"UDP datagrams lost: {summary['udp_loss_rate'] * 100:.2f} %")
+        lines.append(f"UDP datagrams lost: {summary['udp_loss_rate'] * 100:.2f} % "
+                     f"(arrived too late: {summary['udp_late_rate'] * 100:.2f} %)")
     sys.stdout.write("\n".join(["== summary =="] + lines) + "\n")
     sys.stdout.flush()

@@ -20,7 +20,7 @@ def recorded_curve(path, step_s, accuracy_at):
             lines.append({"event": "eval", "step": step, "train_time_s": step * step_s,
                           "time_s": step * step_s, "accuracy": accuracy_at[step]})
     lines.append({"event": "summary", "steps": 10, "udp_loss_rate": 0.25,
-                  "dgt_cpu_ms_per_step": 12.5, "bytes_per_channel": [8e6, 1e6, 5e5, 5e5]})
+                  "udp_late_rate": 0.05, "dgt_cpu_ms_per_step": 12.5, "bytes_per_channel": [8e6, 1e6, 5e5, 5e5]})
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
 
 
@@ -31,12 +31,21 @@ def test_summarise_curve_measures_steps_and_time_to_target(tmp_path):
     assert out["step_time_s"] == pytest.approx(0.5) and out["step_time_p90_s"] == pytest.approx(0.5)
     assert out["time_to_target_s"] == pytest.approx(5.0) and out["final_accuracy"] == 0.7
     assert out["udp_loss_rate"] == 0.25 and out["worker_cpu_ms"] == 12.5
+    assert out["udp_late_rate"] == 0.05
     assert out["channel_bytes_per_step"] == [8e5, 1e5, 5e4, 5e4]  # run totals / 10 steps
     with open(curve, "a") as f:  # dgt's totals covered 8 steps: the bytes are theirs
         f.write(json.dumps({"event": "summary", "steps": 10, "dgt_steps": 8,
                             "bytes_per_channel": [8e6, 0, 0, 0]}) + "\n")
     assert summarise_curve(str(curve), 0.6, 3)["channel_bytes_per_step"] == [1e6, 0, 0, 0]
     assert summarise_curve(str(curve), target=0.9, warmup=3)["time_to_target_s"] is None
+
+
+def test_the_loss_cell_shows_the_late_part_and_nothing_for_systems_without_udp():
+    assert compare.loss_cell(Row("dgt", "alexnet", 2, 1000.0, udp_loss_rate=0.42,
+                                 udp_late_rate=0.031)) == "42.0% (3.1% late)"
+    # A run recorded before the late count existed: only the loss.
+    assert compare.loss_cell(Row("dgt", "alexnet", 2, 1000.0, udp_loss_rate=0.42)) == "42.0%"
+    assert compare.loss_cell(Row("dist_sync", "alexnet", 2, 1000.0)) == "-"
 
 
 def test_worker_cpu_is_the_median_per_counted_step_after_the_warmup(tmp_path):

@@ -49,8 +49,9 @@ def test_time_to_target_over_rounds_counts_a_miss_as_later_than_any_hit():
 def rows_of(system, steps, targets, accuracies, statuses=None):
     statuses = statuses or ["ok"] * len(steps)
     return [Row(system, "alexnet", 2, 1000.0, 100, step, step and step * 1.1, None,
-                100e6 * (i + 1),
-                0.1 * (i + 1), target, accuracy, 0.2, 0.5, worker_cpu_ms=10.0 * (i + 1),
+                100e6 * (i + 1), udp_loss_rate=0.1 * (i + 1), udp_late_rate=0.01 * (i + 1),
+                time_to_target_s=target, final_accuracy=accuracy, compute_s=0.2,
+                lower_bound_s=0.5, worker_cpu_ms=10.0 * (i + 1),
                 machine_cpu_busy=0.3 * (i + 1), machine_cpu_steal=0.01 * (i + 1),
                 channel_bytes_per_step=[8.0 * (i + 1), 2.0], round=i + 1, status=status,
                 curve_paths=[f"{system}-r{i + 1}.jsonl"])
@@ -64,6 +65,7 @@ def test_rounds_fold_into_medians_a_mean_accuracy_and_named_failures():
     assert row.step_time_s == pytest.approx(0.6) and row.throughput_samples_s == 64 / 0.6
     assert row.step_time_p90_s == pytest.approx(0.66) and row.bytes_per_step == 200e6
     assert row.udp_loss_rate == pytest.approx(0.2) and row.worker_cpu_ms == 20.0
+    assert row.udp_late_rate == pytest.approx(0.02)
     assert row.machine_cpu_busy == pytest.approx(0.6)
     assert row.machine_cpu_steal == pytest.approx(0.02)
     assert row.time_to_target_s == 50.0  # 40, 50 and a miss
