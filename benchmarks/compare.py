@@ -58,7 +58,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from benchmarks.rounds import combine_rounds, round_order, same_round_ratios  # noqa: E402
-from benchmarks.testbed import LOW_QUEUE_FRAMES, Testbed, available  # noqa: E402
+from benchmarks.testbed import QUEUE_FRAMES, Testbed, available  # noqa: E402
 from benchmarks.timeline import load_events, part_times  # noqa: E402
 from benchmarks.timeline import report as timeline_report  # noqa: E402
 from dgt.launch import _Child, supervise  # noqa: E402
@@ -481,10 +481,11 @@ def markdown(rows: List[Row], args, machine: str,
                      f"out of every node of the job, at IP precedence "
                      f"{getattr(args, 'cross_precedence', 0)}, for every system; its bytes are "
                      "not in MB/step nor in the lower bound.")
-    low_queue = getattr(args, "low_queue_frames", LOW_QUEUE_FRAMES)
-    if low_queue != LOW_QUEUE_FRAMES:
-        lines.append(f"Low classes' queues: {low_queue} full frames (the testbed's default "
-                     f"{LOW_QUEUE_FRAMES}).")
+    # Always stated: runs before 2026-12-04 had 100-frame low queues, which slowed dist_sync.
+    low_queue = getattr(args, "low_queue_frames", QUEUE_FRAMES)
+    lines.append(f"Queues: {QUEUE_FRAMES} full frames in every class." if low_queue == QUEUE_FRAMES
+                 else f"Queues: {QUEUE_FRAMES} full frames in the top class, {low_queue} in "
+                 "every class below it (where unmarked traffic lands too).")
     if getattr(args, "dgt_env", None):
         lines.append(f"Every dgt run: {settings(args.dgt_env)}.")
     for name, env in getattr(args, "variants", {}).items():
@@ -689,11 +690,12 @@ def main(argv=None) -> int:
                         help="IP precedence of the background load, 0 (best effort, the "
                              "class of MXNet's and Horovod's traffic) .. 3 (dgt's reliable "
                              "channel's)")
-    parser.add_argument("--low-queue-frames", type=int, default=LOW_QUEUE_FRAMES,
+    parser.add_argument("--low-queue-frames", type=int, default=QUEUE_FRAMES,
                         help="queue of every class below the top one, in full frames "
-                             f"({LOW_QUEUE_FRAMES}); the lowest class also carries MXNet's "
-                             "and Horovod's unmarked TCP, so a short queue drops it too "
-                             "(RESULTS.md, 2026-12-04)")
+                             f"(default {QUEUE_FRAMES}, the top class's, so that every system "
+                             "meets the same queues); shorter emulates a shallow-buffered "
+                             "switch, and shortens the queue of MXNet's and Horovod's "
+                             "unmarked TCP too, which slows them (RESULTS.md, 2026-12-04)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -764,7 +766,7 @@ def main(argv=None) -> int:
     nodes = server_nodes(1 if args.colocate else args.servers) + \
         [f"worker{r}" for r in range(args.workers)]
     with Testbed(nodes, rate_mbit=args.rate, cross_precedence=args.cross_precedence,
-                 low_queue_packets=args.low_queue_frames) as bed:
+                 low_queue_frames=args.low_queue_frames) as bed:
         if args.cross_traffic:
             bed.start_cross_traffic(job_nodes(args), args.cross_traffic)
         for model in args.models.split(","):

@@ -10,12 +10,18 @@ server's incast builds up) with HTB at ``rate_mbit``:
 
 * one class per priority level, matched with ``u32`` on the IP precedence bits of the TOS byte
   that dgt sets per channel (``IP_TOS``, no privilege needed): the reliable channel (precedence
-  C) gets the highest HTB priority and a long queue; UDP channel i (precedence C - i) gets
-  priority i and a short queue (``low_queue_packets`` full frames, as a byte-limited ``bfifo``,
-  since senders hand the kernel 64 KB GSO/TSO super-packets), so under congestion the kernel drops
-  there -- real loss, as in a switch with priority queues;
+  C) gets the highest HTB priority, UDP channel i (precedence C - i) priority i, so that a
+  class only gets what the classes above it leave;
 * everything else (precedence 0: ARP, MXNet's and Horovod's unmarked TCP) lands in the lowest
   class, which still gets the whole link when it is alone;
+* every class has a finite queue, a byte-limited ``bfifo`` (senders hand the kernel 64 KB
+  GSO/TSO super-packets) of ``top_queue_frames`` full frames for the top class and
+  ``low_queue_frames`` for the others -- both ``QUEUE_FRAMES`` by default, the same for every
+  class, so that the systems differ only by their marks: MXNet's unmarked TCP gets the queue
+  that dgt's reliable TCP gets.  Under congestion the kernel drops in the classes that the
+  higher ones starve -- real loss, as in a switch with priority queues.  A shorter
+  ``low_queue_frames`` emulates a shallow-buffered switch; it also shortens the queue of the
+  unmarked TCP of the other systems, and slows them (benchmarks/RESULTS.md, 2026-12-04);
 * optional background load (:meth:`Testbed.start_cross_traffic`, ``benchmarks/crosstraffic.py``):
   an open-loop UDP flow into and out of every loaded node, queued in a class of its own with
   the priority and queue length of its precedence (``cross_precedence``, best effort by
@@ -45,7 +51,7 @@ from benchmarks.crosstraffic import DISCARD_PORT, interface_bytes
 __all__ = ["Testbed", "available", "TestbedUnavailable"]
 
 MTU_FRAME_BYTES = 1514
-LOW_QUEUE_FRAMES = 100  # queue of every class below the top one, in full frames
+QUEUE_FRAMES = 1000  # every class's queue by default, in full frames (12 ms at 1 Gbit/s)
 CROSS_CLASS = "1:30"  # the background load's own HTB class on every shaped device
 HTB_QUANTUM_BYTES = 100_000  # > a 64 KB GSO/TSO packet, < HTB's 200 000 ceiling
 NETNS_ETC = "/etc/netns"  # per-namespace /etc files that `ip netns exec` mounts
@@ -100,8 +106,8 @@ class Testbed:
     nodes: List[str]
     rate_mbit: float = 1000.0
     udp_channels: int = 3
-    low_queue_packets: int = LOW_QUEUE_FRAMES
-    high_queue_packets: int = 1000
+    top_queue_frames: int = QUEUE_FRAMES
+    low_queue_frames: int = QUEUE_FRAMES  # every class below the top one
     subnet: str = "10.213.77"  # private, testbed-only addresses: <subnet>.<1..>
     cross_precedence: int = 0  # IP precedence of the background load, 0..udp_channels
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
@@ -204,7 +210,7 @@ class Testbed:
                  "quantum", str(HTB_QUANTUM_BYTES))
             # A byte limit, not a packet one: senders hand the kernel GSO/TSO super-packets of
             # up to 64 KB, and a packet-counted queue would hold 40x more data than intended.
-            queue = self.high_queue_packets if level == 0 else self.low_queue_packets
+            queue = self.top_queue_frames if level == 0 else self.low_queue_frames
             _run(*tc, "qdisc", "add", "dev", dev, "parent", classid, "handle", handle,
                  "bfifo", "limit", str(queue * MTU_FRAME_BYTES))
 
@@ -282,6 +288,20 @@ class Testbed:
     def class_drops(self, node: str) -> Dict[str, Dict[str, int]]:
         """Per-class sent bytes and drops on the node's incoming link (bridge side)."""
         return _class_stats([], self.bridge_side(node))
+
+
+def queue_limits_bytes(prefix: List[str], dev: str) -> Dict[str, int]:
+    """``{classid: limit}``: the byte limit of the queue under each HTB class on ``dev``, as
+    the kernel holds it (``tc qdisc show``)."""
+    text = _run(*prefix, "tc", "qdisc", "show", "dev", dev).stdout
+    limits = {}
+    for line in text.splitlines():
+        words = line.split()
+        if words[:2] == ["qdisc", "bfifo"] and "parent" in words and "limit" in words:
+            limit = words[words.index("limit") + 1]
+            scale = {"Kb": 1024, "Mb": 1024 ** 2}.get(limit.lstrip("0123456789"), 1)
+            limits[words[words.index("parent") + 1]] = int(limit.rstrip("bKM")) * scale
+    return limits
 
 
 def _class_stats(prefix: List[str], dev: str) -> Dict[str, Dict[str, int]]:

@@ -194,9 +194,10 @@ def test_the_low_queue_setting_is_checked_and_reported(tmp_path, capsys):
         assert f"--low-queue-frames {bad} is out of range" in capsys.readouterr().err
     args = argparse.Namespace(name="t", workers=2, rate=1000.0, batch_size=32, steps=10,
                               results_dir=str(tmp_path))
-    assert "Low classes' queues" not in markdown([], args, "M.")
-    args.low_queue_frames = 1000
-    assert "Low classes' queues: 1000 full frames" in markdown([], args, "M.")
+    assert "Queues: 1000 full frames in every class." in markdown([], args, "M.")
+    args.low_queue_frames = 100
+    assert ("Queues: 1000 full frames in the top class, 100 in every class below it"
+            in markdown([], args, "M."))
 
 
 @pytest.mark.parametrize("flags", [["--cross-traffic", "-1"],

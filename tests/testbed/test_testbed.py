@@ -8,7 +8,8 @@ import tempfile
 
 import pytest
 
-from benchmarks.testbed import Testbed, available
+from benchmarks.testbed import MTU_FRAME_BYTES, QUEUE_FRAMES, Testbed, available, \
+    queue_limits_bytes
 
 REASON = available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"testbed: {REASON}")
@@ -55,6 +56,19 @@ def tcp_transfer(bed, megabytes, tos=0x60, sender="a"):
                    check=True, timeout=120)
     out, _ = receiver.communicate(timeout=120)
     return float(out.strip())
+
+
+def test_every_class_has_the_same_queue_unless_the_low_ones_are_shortened():
+    """By default the unmarked class (MXNet's TCP) queues as much as dgt's reliable one."""
+    with Testbed(["a", "b"], rate_mbit=100, udp_channels=3) as bed:
+        for prefix, dev in (([], bed.bridge_side("a")), (bed.exec_prefix("a"), "e0")):
+            assert queue_limits_bytes(prefix, dev) == {
+                c: QUEUE_FRAMES * MTU_FRAME_BYTES for c in ("1:10", "1:11", "1:12", "1:13",
+                                                            "1:30")}
+    with Testbed(["a", "b"], rate_mbit=100, udp_channels=3, low_queue_frames=100) as bed:
+        limits = queue_limits_bytes(bed.exec_prefix("b"), "e0")
+    assert limits["1:10"] == QUEUE_FRAMES * MTU_FRAME_BYTES
+    assert limits["1:11"] == limits["1:13"] == limits["1:30"] == 100 * MTU_FRAME_BYTES
 
 
 def test_a_link_carries_about_its_configured_rate():
