@@ -72,7 +72,7 @@ COLUMNS = ("system", "model", "workers", "rate_mbit", "steps", "step_time_s", "s
            "throughput_samples_s", "bytes_per_step", "channel_bytes_per_step", "udp_loss_rate",
            "udp_late_rate", "time_to_target_s",
            "final_accuracy", "compute_s", "lower_bound_s", "worker_cpu_ms", "server_cpu_ms",
-           "machine_cpu_busy", "machine_cpu_steal", "rounds", "status")
+           "machine_cpu_busy", "machine_cpu_steal", "kernel_drops_per_step", "rounds", "status")
 
 
 @dataclass
@@ -110,6 +110,10 @@ class Row:
     curve_paths: Optional[List[str]] = None  # the accuracy curves behind the row
     # The part of udp_loss_rate that arrived, but after the server had closed its step.
     udp_late_rate: Optional[float] = None
+    # Packets the kernel's queues dropped on the job's links, per class from the top (dgt's
+    # reliable channel) to the lowest (its last UDP channel and all unmarked traffic), per
+    # step over the whole run: what every system lost in the network, TCP's retransmitted.
+    kernel_drops_per_step: Optional[List[float]] = None
 
 
 # -- measuring one run ------------------------------------------------------------------------
@@ -371,11 +375,13 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     # Allreduce has no server: its busiest links are the workers'.
     links = measured_links(system, args)
     before = {link: bed.link_bytes(link) for link in links}
+    drops_before = {node: bed.drops_by_class(node) for node in job_nodes(args)}
     started = time.perf_counter()
     with open(log_path, "wb") as log:
         children = job_processes(system, bed, args, model, curve, log)
         code = supervise(children, args.run_timeout)
     after = {link: bed.link_bytes(link) for link in links}
+    drops_after = {node: bed.drops_by_class(node) for node in job_nodes(args)}
     where = f" round {round_index + 1}" if rounds > 1 else ""
     print(f"  {system:15s} {model:10s}{where} exit {code} in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
@@ -408,6 +414,9 @@ def run_one(system: str, model: str, bed: Testbed, args, compute: Optional[float
     moved = {link: (after[link]["rx"] - before[link]["rx"], after[link]["tx"] - before[link]["tx"])
              for link in links}
     row.bytes_per_step = sum(rx + tx for rx, tx in moved.values()) / max(row.steps, 1)
+    row.kernel_drops_per_step = [
+        sum(drops_after[node][c] - drops_before[node][c] for node in drops_before)
+        / max(row.steps, 1) for c in bed.job_classes()]
     busiest = max(max(rx, tx) for rx, tx in moved.values())
     bottleneck_s = busiest / max(row.steps, 1) * 8 / (args.rate * 1e6)
     row.compute_s = compute
@@ -433,6 +442,9 @@ def write_csv(path: str, rows: List[Row], columns) -> None:
             if row.channel_bytes_per_step:
                 values["channel_bytes_per_step"] = ";".join(
                     f"{b:.0f}" for b in row.channel_bytes_per_step)
+            if row.kernel_drops_per_step:
+                values["kernel_drops_per_step"] = ";".join(
+                    f"{d:.1f}" for d in row.kernel_drops_per_step)
             writer.writerow(values)
 
 
@@ -495,8 +507,10 @@ def markdown(rows: List[Row], args, machine: str,
     lines += ["", "| model | system | step s (median) | p90 | vs dist_sync | samples/s | MB/step "
               "(server links) | dgt's count: MB/step worker 0 pushed per channel (TCP; UDP 1..C) "
               "| UDP loss (of it late) | time to target s | final acc | lower bound s | "
-              "dgt CPU ms/step: worker, server (% of step) | machine CPU: busy, steal | status |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "dgt CPU ms/step: worker, server (% of step) | machine CPU: busy, steal | "
+              "kernel drops/step per class (top: dgt's TCP; ..; lowest: its last UDP channel "
+              "and all unmarked traffic) | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r.model: r.step_time_s for r in rows if r.system == "dist_sync"}
     for r in rows:
         ratio = (r.step_time_s / base[r.model]) if r.step_time_s and base.get(r.model) else None
@@ -507,7 +521,7 @@ def markdown(rows: List[Row], args, machine: str,
             f"{channel_cell(r)} | "
             f"{loss_cell(r)} | {fmt(r.time_to_target_s, 1)} | "
             f"{fmt(r.final_accuracy)} | {fmt(r.lower_bound_s)} | {cpu_cell(r)} | "
-            f"{machine_cell(r)} | {r.status} |")
+            f"{machine_cell(r)} | {drops_cell(r)} | {r.status} |")
     if round_rows:
         lines += rounds_table(round_rows, args)
     return "\n".join(lines) + "\n"
@@ -566,6 +580,12 @@ def channel_cell(row: Row) -> str:
     if not row.channel_bytes_per_step:
         return "-"
     return "; ".join(f"{b / 1e6:.1f}" for b in row.channel_bytes_per_step)
+
+
+def drops_cell(row: Row) -> str:
+    if not row.kernel_drops_per_step:
+        return "-"
+    return "; ".join(f"{d:.1f}" for d in row.kernel_drops_per_step)
 
 
 def cpu_cell(row: Row) -> str:

@@ -60,9 +60,16 @@ def combine_rounds(rows: Sequence, throughput_of=None):
     def median_of(field):
         return median_or_none([getattr(r, field) for r in ok])
 
+    def median_per_item(field):
+        """Item by item, the median of a per-channel or per-class list over the rounds."""
+        lists = [getattr(r, field) for r in ok if getattr(r, field)]
+        if lists and len({len(x) for x in lists}) == 1:
+            return [statistics.median(items) for items in zip(*lists)]
+        return getattr(ok[0], field)
+
     step = median_of("step_time_s")
     accuracies = [r.final_accuracy for r in ok if r.final_accuracy is not None]
-    channels = [r.channel_bytes_per_step for r in ok if r.channel_bytes_per_step]
+
     return dataclasses.replace(
         ok[0],
         steps=int(statistics.median(r.steps for r in ok)),
@@ -82,8 +89,8 @@ def combine_rounds(rows: Sequence, throughput_of=None):
         server_cpu_ms=median_of("server_cpu_ms"),
         machine_cpu_busy=median_of("machine_cpu_busy"),
         machine_cpu_steal=median_of("machine_cpu_steal"),
-        channel_bytes_per_step=[statistics.median(c) for c in zip(*channels)]
-        if channels and len({len(c) for c in channels}) == 1 else ok[0].channel_bytes_per_step,
+        kernel_drops_per_step=median_per_item("kernel_drops_per_step"),
+        channel_bytes_per_step=median_per_item("channel_bytes_per_step"),
         rounds=len(rows),
         round=None,
         status="ok" if not failed else "; ".join(failed))

@@ -285,6 +285,22 @@ class Testbed:
         return {direction: interface_bytes(stats.get("bytes", 0), stats.get("packets", 0))
                 for direction, stats in (("rx", towards), ("tx", away))}
 
+    def job_classes(self) -> List[str]:
+        """The job's HTB classes, top (dgt's reliable channel) to lowest (its last UDP
+        channel, and every unmarked packet)."""
+        return [f"1:{10 + level}" for level in range(self.udp_channels + 1)]
+
+    def drops_by_class(self, node: str) -> Dict[str, int]:
+        """Packets the node's link dropped so far in each of :meth:`job_classes`, both
+        directions together (the bridge side for what it receives, ``e0`` for what it
+        sends). A GSO/TSO super-packet dropped whole counts once."""
+        totals = dict.fromkeys(self.job_classes(), 0)
+        for prefix, dev in (([], self.bridge_side(node)), (self.exec_prefix(node), "e0")):
+            for classid, stats in _class_stats(prefix, dev).items():
+                if classid in totals:
+                    totals[classid] += stats["dropped"]
+        return totals
+
     def class_drops(self, node: str) -> Dict[str, Dict[str, int]]:
         """Per-class sent bytes and drops on the node's incoming link (bridge side)."""
         return _class_stats([], self.bridge_side(node))

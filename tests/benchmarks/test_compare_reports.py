@@ -96,7 +96,8 @@ def test_reports_are_written_with_every_column(tmp_path):
     recorded_curve(tmp_path / "t-alexnet-dist_sync.jsonl", 0.8, {5: 0.5, 10: 0.8})
     rows = [Row("dgt", "alexnet", 2, 1000.0, 10, 0.4, 0.45, 160.0, 150e6, 0.1, 2.0, 0.8, 0.2,
                 1.2, worker_cpu_ms=20.0, server_cpu_ms=40.0, machine_cpu_busy=0.854,
-                machine_cpu_steal=0.1, channel_bytes_per_step=[60e6, 5e6, 4.5e6, 4e6]),
+                machine_cpu_steal=0.1, channel_bytes_per_step=[60e6, 5e6, 4.5e6, 4e6],
+                kernel_drops_per_step=[0.0, 12.5, 20.0, 31.25]),
             Row("dist_sync", "alexnet", 2, 1000.0, 10, 0.8, 0.9, 80.0, 320e6, None, 4.0, 0.8,
                 0.2, 2.6),
             Row("horovod", "alexnet", 2, 1000.0, status="not installed")]
@@ -111,8 +112,9 @@ def test_reports_are_written_with_every_column(tmp_path):
     assert "| alexnet | dgt | 0.400 | 0.450 | 0.50 |" in text  # ratio vs dist_sync
     assert "| 150.0 | 60.0; 5.0; 4.5; 4.0 | 10.0% |" in text  # kernel total, dgt's channels
     # dgt's CPU and its share of 0.4 s, then the machine's busy and stolen shares
-    assert "| 20.0 (5.0 %), 40.0 (10.0 %) | 85 %, 10 % | ok |" in text
-    assert "| 2.600 | - | - | ok |" in text  # no dgt CPU for dist_sync, no machine figures
+    assert "| 20.0 (5.0 %), 40.0 (10.0 %) | 85 %, 10 % | 0.0; 12.5; 20.0; 31.2 | ok |" in text
+    assert table[0]["kernel_drops_per_step"] == "0.0;12.5;20.0;31.2"
+    assert "| 2.600 | - | - | - | ok |" in text  # no dgt CPU for dist_sync, no machine figures
     assert float(table[0]["machine_cpu_busy"]) == 0.854 and table[1]["machine_cpu_busy"] == ""
     assert "not installed" in text and text == markdown(rows, args, "Machine: test.")
     assert "Time to target" not in text  # no target was asked for

@@ -53,7 +53,9 @@ def rows_of(system, steps, targets, accuracies, statuses=None):
                 time_to_target_s=target, final_accuracy=accuracy, compute_s=0.2,
                 lower_bound_s=0.5, worker_cpu_ms=10.0 * (i + 1),
                 machine_cpu_busy=0.3 * (i + 1), machine_cpu_steal=0.01 * (i + 1),
-                channel_bytes_per_step=[8.0 * (i + 1), 2.0], round=i + 1, status=status,
+                channel_bytes_per_step=[8.0 * (i + 1), 2.0],
+                kernel_drops_per_step=[0.0, 1.0 * (i + 1), 3.0, 10.0 * (i + 1)],
+                round=i + 1, status=status,
                 curve_paths=[f"{system}-r{i + 1}.jsonl"])
             for i, (step, target, accuracy, status) in
             enumerate(zip(steps, targets, accuracies, statuses))]
@@ -66,6 +68,7 @@ def test_rounds_fold_into_medians_a_mean_accuracy_and_named_failures():
     assert row.step_time_p90_s == pytest.approx(0.66) and row.bytes_per_step == 200e6
     assert row.udp_loss_rate == pytest.approx(0.2) and row.worker_cpu_ms == 20.0
     assert row.udp_late_rate == pytest.approx(0.02)
+    assert row.kernel_drops_per_step == [0.0, 2.0, 3.0, 20.0]
     assert row.machine_cpu_busy == pytest.approx(0.6)
     assert row.machine_cpu_steal == pytest.approx(0.02)
     assert row.time_to_target_s == 50.0  # 40, 50 and a miss

@@ -87,9 +87,12 @@ def test_low_priority_udp_yields_to_the_reliable_class_and_is_dropped():
         mbit = tcp_transfer(bed, 30, tos=3 << 5)  # precedence 3 = reliable channel when C=3
         flood.wait(timeout=30)
         classes = bed.class_drops("b")
+        both_ways = bed.drops_by_class("b")
     assert mbit > 75, f"TCP got only {mbit:.1f} Mbit/s beside the flood"
     assert classes["1:13"]["dropped"] > 0, classes  # the flood's class lost packets
     assert classes["1:10"]["dropped"] == 0, classes  # the reliable class lost none
+    # b sent only ACKs: its link's drops, both directions together, are the incoming ones.
+    assert both_ways == {c: classes[c]["dropped"] for c in ("1:10", "1:11", "1:12", "1:13")}
 
 
 def test_each_node_resolves_this_hosts_name_to_its_own_address():
