@@ -35,8 +35,8 @@ from numba import njit
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 __all__ = ["block_abs_sums", "blocks_into_", "cast", "datagram_rows_", "datagram_rows_bfloat16_",
-           "gather_bfloat16_", "gather_rows_", "merge_rows_", "rows_add_", "to_bfloat16",
-           "warm_up"]
+           "gather_bfloat16_", "gather_rows_", "merge_rows_", "rows_add_", "scale_ranges_",
+           "to_bfloat16", "warm_up"]
 
 # Reassociation lets the compiler keep several partial sums in vector registers; the flags
 # that assume no NaN or infinity are left out, so a NaN gradient still gives a NaN score.
@@ -271,6 +271,39 @@ def gather_rows_(rows: np.ndarray, source: np.ndarray, starts: np.ndarray,
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _float32_scale_ranges(acc, starts, stops, factors):  # pragma: no cover - compiled
+    for r in range(starts.size):
+        factor = np.float32(factors[r])
+        for i in range(starts[r], stops[r]):
+            acc[i] *= factor
+
+
+def scale_ranges_(acc: np.ndarray, starts: np.ndarray, stops: np.ndarray,
+                  factors: np.ndarray) -> np.ndarray:
+    """Multiply ``acc[starts[r]:stops[r]]`` by ``factors[r]`` (rounded to ``acc``'s dtype
+    first, as numpy's in-place multiply by a cast factor array does): ``rescale`` mode
+    scaling the few fragments that not every worker delivered, without a factor array the
+    size of the part.  Float32 in one compiled pass, other dtypes range by range.
+    Returns ``acc``."""
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    factors = np.asarray(factors, dtype=np.float64)
+    if not len(starts) == len(stops) == len(factors):
+        raise ValueError(f"scale_ranges_: {len(starts)} starts, {len(stops)} stops and "
+                         f"{len(factors)} factors")
+    if len(starts) and (starts.min() < 0 or stops.max() > acc.size
+                        or (stops - starts).min() < 0):
+        raise ValueError("scale_ranges_: a range lies outside the accumulator")
+    if acc.dtype == np.float32 and acc.ndim == 1 and acc.flags.c_contiguous:
+        _float32_scale_ranges(acc, starts, stops, factors)
+    else:
+        for start, stop, factor in zip(starts.tolist(), stops.tolist(),
+                                       factors.astype(acc.dtype).tolist()):
+            acc[start:stop] *= factor
+    return acc
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems, n_elems,
                  frag_elems, width, acc_size, starts, stops):  # pragma: no cover - compiled
     for r in range(blocks.size):  # every index is checked before anything is marked
@@ -435,6 +468,8 @@ def warm_up() -> None:
             marks = np.zeros((2, 4), bool)  # a server's per-worker rows of (W, n) masks
             merge_rows_(padded, marks[0], marks[1, :2], blocks, np.zeros(2, np.int64), 2, 64,
                         128, 32, rows)
+    # rescale mode: factors come as N / counts, float64 from an int64 division.
+    scale_ranges_(padded, np.array([0, 32]), np.array([32, 64]), 2 / np.array([1, 1]))
     for source in received[:2]:  # a worker keeping its lost datagrams' values
         gather_rows_(np.zeros((2, 32), np.float32), source, np.array([0, 32]),
                      np.array([32, 64]))

@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .kernels import cast, merge_rows_, rows_add_
+from .kernels import cast, merge_rows_, rows_add_, scale_ranges_
 from .partition import BlockLayout, FragmentLayout
 from .wire import (HEADER_BYTES, HEADER_DTYPE, Header, MsgType, check_datagrams, chunk_elems,
                    code_dtype, header_runs, is_float_dtype)
@@ -453,13 +453,13 @@ class StepMerger:
         delivered = (open_step.received | reliable_slots) & valid
         if self.receive_mode == "rescale":
             counts = delivered.sum(axis=0)
-            partial = (counts > 0) & (counts < self.num_workers)
-            if partial.any():
-                scale = np.ones(layout.n_slots, dtype=np.float64)
-                scale[partial] = self.num_workers / counts[partial]
-                per_elem = np.repeat(scale.reshape(layout.blocks.n_blocks, fpb),
-                                     layout.frag_elems, axis=1)[:, :layout.blocks.block_elems]
-                open_step.acc *= per_elem.reshape(-1).astype(open_step.acc.dtype)
+            partial = np.flatnonzero((counts > 0) & (counts < self.num_workers))
+            if partial.size:
+                # Only the partial slots' elements: a factor per element of the part cost
+                # as much as the step's merge (2026-12-04, VGG-11 seed 2).
+                starts, stops = layout.slot_ranges(partial)
+                scale_ranges_(open_step.acc, starts, stops,
+                              self.num_workers / counts[partial])
         touched = delivered.reshape(self.num_workers, layout.blocks.n_blocks, fpb).any(
             axis=(0, 2)) | open_step.late_blocks
         missing = None

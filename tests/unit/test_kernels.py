@@ -4,7 +4,7 @@ import pytest
 
 from dgt.kernels import (block_abs_sums, blocks_into_, cast, datagram_rows_,
                          datagram_rows_bfloat16_, gather_bfloat16_, gather_rows_, merge_rows_,
-                         rows_add_, to_bfloat16)
+                         rows_add_, scale_ranges_, to_bfloat16)
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
 
@@ -189,6 +189,8 @@ def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
         run_blocks = np.array([1, 1, 3], np.int64)[:2]  # a sliced column, as the server's
         merge_rows_(padded, marks[1], sent[1], run_blocks, np.array([0, 1], np.int64),
                     layout.frags_per_block, 1024, 5000, 256, received)
+        counts = np.array([1, 2, 1], np.int64)  # rescale: a few slots' workers of two
+        scale_ranges_(padded, *layout.slot_ranges(np.array([0, 5, 9])), 2 / counts)
     # Error feedback: the worker keeps its lost fragments and adds them to the next push.
     memory = ResidualMemory()
     memory.remember(0, values, *layout.slot_ranges(slots[::3]))
@@ -341,3 +343,27 @@ def test_merge_rows_leaves_other_dtypes_to_numpy():
     assert merge_rows_(acc, received, reliable, blocks.astype(np.int32), frags, *args,
                        rows) == -1
     assert not received.any() and not acc.any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scale_ranges_equals_numpy_multiplying_by_a_factor_per_element(rng, dtype):
+    """rescale mode's scaling of a few ranges against the whole-part factor array it
+    replaced (cast to the accumulator's dtype, as that one was): the same bits."""
+    acc = rng.standard_normal(5000).astype(dtype)
+    starts, stops = np.array([0, 1024, 4096, 4900]), np.array([256, 1280, 4352, 5000])
+    factors = 3 / np.array([1, 2, 2, 1])
+    per_elem = np.ones(acc.size)
+    for start, stop, factor in zip(starts, stops, factors):
+        per_elem[start:stop] = factor
+    expected = acc * per_elem.astype(dtype)
+    out = scale_ranges_(acc, starts, stops, factors)
+    assert out is acc and np.array_equal(acc, expected)
+
+
+def test_scale_ranges_refuses_ranges_outside_and_mismatched_lengths():
+    acc = np.ones(100, np.float32)
+    with pytest.raises(ValueError, match="outside"):
+        scale_ranges_(acc, np.array([90]), np.array([101]), np.array([2.0]))
+    with pytest.raises(ValueError, match="1 starts, 1 stops and 2 factors"):
+        scale_ranges_(acc, np.array([0]), np.array([10]), np.array([2.0, 3.0]))
+    assert (acc == 1).all()
