@@ -18,10 +18,13 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 from .errors import ConfigError
 
-__all__ = ["Config", "KNOBS", "Knob", "RECEIVE_MODES", "WIRE_DTYPES", "markdown_table"]
+__all__ = ["AUTO", "Config", "KNOBS", "Knob", "RECEIVE_MODES", "WIRE_DTYPES", "markdown_table"]
 
 RECEIVE_MODES = ("drop", "diff", "rescale")
 WIRE_DTYPES = ("native", "bfloat16")
+# A knob whose best value depends on other knobs defaults to AUTO; Config resolves it once, at
+# construction, so every reader sees a concrete value.
+AUTO = "auto"
 ROLES = ("worker", "server")
 
 
@@ -80,20 +83,23 @@ KNOBS: Tuple[Knob, ...] = (
          "contribution.", "worker"),
     Knob("send_drop", "DGT_SEND_DROP", bool, False, "0 or 1", None,
          "Ablation (Sender Dropping): UDP-class blocks are never sent.", "worker"),
-    Knob("wire_dtype", "DGT_WIRE_DTYPE", str, "native", "|".join(WIRE_DTYPES),
-         lambda v: v in WIRE_DTYPES,
+    Knob("wire_dtype", "DGT_WIRE_DTYPE", str, AUTO, "|".join((AUTO,) + WIRE_DTYPES),
+         lambda v: v in (AUTO,) + WIRE_DTYPES,
          "native: gradients travel in their own dtype. bfloat16: float32 gradients travel as "
          "bfloat16 (float32's range, 8 significant bits, rounded to nearest) on every channel "
          "and in the summed replies, half the bytes; the servers sum in float32, and weights "
-         "from a server-side optimizer come back in float32. Every worker must use the same.",
+         "from a server-side optimizer come back in float32. auto: bfloat16 with "
+         "DGT_ENABLE=1, native with DGT_ENABLE=0 (the lossless A/B baseline stays exact). "
+         "Every worker must use the same.",
          "worker"),
     # --- receive side ----------------------------------------------------------------------
-    Knob("receive_mode", "DGT_RECEIVE_MODE", str, "drop", "|".join(RECEIVE_MODES),
-         lambda v: v in RECEIVE_MODES,
+    Knob("receive_mode", "DGT_RECEIVE_MODE", str, AUTO, "|".join((AUTO,) + RECEIVE_MODES),
+         lambda v: v in (AUTO,) + RECEIVE_MODES,
          "drop: what arrived by the step's close is merged, late blocks are discarded "
          "(Heuristic Dropping). diff: lost blocks are zero, a block one step late joins the "
          "next step (Diff-Reception). rescale: each block's sum is scaled by "
-         "workers/deliverers (unbiased).", "server"),
+         "workers/deliverers (unbiased). auto: rescale, or drop with DGT_ERROR_FEEDBACK=1 "
+         "(which needs it).", "server"),
     Knob("error_feedback", "DGT_ERROR_FEEDBACK", bool, False, "0 or 1", None,
          "1: the reply tells each worker which of its UDP blocks were not merged; the worker "
          "adds them to its next gradient, so nothing is lost for good. Needs "
@@ -222,8 +228,8 @@ class Config:
     shared_ranking: bool = False
     random_order: bool = False
     send_drop: bool = False
-    wire_dtype: str = "native"
-    receive_mode: str = "drop"
+    wire_dtype: str = AUTO
+    receive_mode: str = AUTO
     error_feedback: bool = False
     grace_ms: float = 10.0
     priority_order: bool = True
@@ -248,6 +254,9 @@ class Config:
     job_id: int = 0
     # Where each value came from, for error messages ("DGT_THRESHOLD" or "Config(threshold=)").
     _sources: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # Fields that were AUTO before resolution: to_env and replace hand AUTO on, so a child
+    # process or a replaced config resolves them again against its own settings.
+    _auto: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         for knob in KNOBS:
@@ -263,7 +272,21 @@ class Config:
                 raise ConfigError(f"{source}={value!r} has the wrong type: expected {knob.allowed}")
             if knob.check is not None and not knob.check(value):
                 raise ConfigError(f"{source}={value!r} is out of range: allowed {knob.allowed}")
+        self._resolve_auto()
         self._check_combinations()
+
+    def _resolve_auto(self):
+        # Measured on the emulated 1 Gbit/s testbed (benchmarks/RESULTS.md): bfloat16 halves
+        # the bytes of push and reply, and rescale keeps the sums unbiased under UDP loss; with
+        # both, AlexNet and VGG-11 reach their target accuracy in about half dist_sync's time.
+        resolved = {
+            "wire_dtype": "bfloat16" if self.enable else "native",
+            "receive_mode": "drop" if self.error_feedback else "rescale",
+        }
+        auto = frozenset(name for name in resolved if getattr(self, name) == AUTO)
+        for name in auto:
+            object.__setattr__(self, name, resolved[name])
+        object.__setattr__(self, "_auto", auto)
 
     def _check_combinations(self):
         if self.threshold_min > self.threshold:
@@ -327,14 +350,15 @@ class Config:
         """The ``DGT_*`` variables that reproduce this configuration in a child process."""
         out = {}
         for knob in KNOBS:
-            value = getattr(self, knob.name)
+            value = AUTO if knob.name in self._auto else getattr(self, knob.name)
             out[knob.env] = str(int(value)) if knob.kind is bool else str(value)
         return out
 
     def replace(self, **changes) -> "Config":
         sources = dict(self._sources)
         sources.update({k: f"Config({k}=)" for k in changes})
-        return dataclasses.replace(self, _sources=sources, **changes)
+        still_auto = {name: AUTO for name in self._auto if name not in changes}
+        return dataclasses.replace(self, _sources=sources, **still_auto, **changes)
 
     def server_addr_list(self):
         """``[(host, port), ...]`` parsed from ``server_addrs``."""

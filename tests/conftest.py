@@ -45,11 +45,15 @@ class ServerThread:
 
 @pytest.fixture
 def make_job():
-    """make_job(num_workers, **config) -> (worker_config, [servers]); stops servers at teardown."""
+    """make_job(num_workers, **config) -> (worker_config, [servers]); stops servers at teardown.
+    The wire dtype is native unless ``config`` names one."""
     started = []
 
     def factory(num_workers: int, num_servers: int = 1, **settings):
         settings.setdefault("timeout_s", 30.0)
+        # The socket tests' oracles are exact float32 sums; the tests of the bfloat16 wire and
+        # of the defaults ask for their dtype by name.
+        settings.setdefault("wire_dtype", "native")
         base = Config(num_workers=num_workers, num_servers=num_servers, job_id=4242,
                       server_addrs=",".join(["127.0.0.1:0"] * num_servers), **settings)
         servers = []

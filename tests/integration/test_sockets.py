@@ -435,7 +435,7 @@ def test_shared_ranking_makes_every_worker_send_the_same_blocks(make_job):
     # the reply carries only those.
     k, n, steps, workers = 0.5, 40 * 1024, 4, 2
     config, servers = make_job(workers, threshold=k, adaptive=False, udp_drop=1.0,
-                               grace_ms=5, shared_ranking=True)
+                               grace_ms=5, shared_ranking=True, receive_mode="drop")
     grads = {r: [(np.random.default_rng([r, s]).integers(-8, 9, n) * np.repeat(
         np.random.default_rng([r, s, 1]).integers(1, 5, n // 1024), 1024)).astype(np.float32)
                  for s in range(steps)] for r in range(workers)}
@@ -507,7 +507,8 @@ def test_bfloat16_wire_sums_the_rounded_survivors_in_float32_on_half_the_bytes(m
 
     n, key = 30_000, 5
     config, servers = make_job(2, threshold=k, threshold_min=0.1, adaptive=False,
-                               grace_ms=1000, udp_drop=drop, seed=7, wire_dtype=wire_dtype)
+                               grace_ms=1000, udp_drop=drop, seed=7, wire_dtype=wire_dtype,
+                               receive_mode="drop")
     data = {r: np.random.default_rng([r, 9]).normal(0, 1e-3, n).astype(np.float32)
             for r in range(2)}
 
@@ -537,6 +538,36 @@ def test_bfloat16_wire_sums_the_rounded_survivors_in_float32_on_half_the_bytes(m
     assert servers[0].server.counters["replies_sparse"] == (1 if drop > 0.5 else 0)
 
 
+def test_a_default_job_sums_bfloat16_survivors_and_rescales_what_one_worker_lost(make_job):
+    # The defaults (wire dtype and receive mode "auto") under seeded loss: each worker's blocks
+    # travel as bfloat16, the server sums the survivors in float32, scales a fragment that only
+    # one of the two workers delivered by 2 (exact), and rounds the sum once for the reply.
+    from dgt.wire import BFLOAT16
+
+    n, key, k = 30_000, 3, 0.3
+    config, servers = make_job(2, wire_dtype="auto", threshold=k, threshold_min=0.1,
+                               adaptive=False, grace_ms=1000, udp_drop=0.3, seed=5)
+    assert (config.wire_dtype, config.receive_mode) == ("bfloat16", "rescale")
+    data = {r: np.random.default_rng([r, 4]).normal(0, 1e-3, n).astype(np.float32)
+            for r in range(2)}
+    results = run_workers(config, lambda w: w.pushpull(key, data[w.rank]).wait().copy(), 2)
+    total = np.zeros(n, np.float32)
+    delivered = 0
+    for rank, values in data.items():
+        layout, slots = delivered_slots(config, rank, key, 0, values, k, wire_itemsize=2)
+        mask = layout.element_mask(slots)
+        total[mask] += values.astype(BFLOAT16).astype(np.float32)[mask]
+        delivered = delivered + slots.astype(int)
+    assert ((delivered == 1) & layout.valid_slots).any(), "some fragment should lose one worker"
+    scale = np.where(delivered > 0, 2 / np.maximum(delivered, 1), 1).astype(np.float32)
+    total *= np.repeat(scale.reshape(layout.blocks.n_blocks, -1), layout.frag_elems,
+                       axis=1)[:, :config.block_elems].reshape(-1)[:n]
+    expected = total.astype(BFLOAT16).astype(np.float32)
+    for rank in range(2):
+        np.testing.assert_array_equal(results[rank], expected)
+    assert servers[0].server.merger.counters.get("merged", 0) > 0
+
+
 def test_workers_with_different_wire_dtypes_are_refused(make_job):
     # The server keeps one layout per part; a second worker pushing the same part in another
     # dtype is refused with a message that names both, and nothing is merged.
@@ -546,7 +577,10 @@ def test_workers_with_different_wire_dtypes_are_refused(make_job):
             Worker(config.replace(rank=1, wire_dtype="bfloat16")) as second:
         waiting = first.pushpull(0, values)
         merger = servers[0].server.merger  # the native push opens the part first
-        wait_until(lambda: (0, 0) in merger._parts, "the first push to reach the server")
+        # Its datagrams may overtake its PUSH and open the part provisionally, which a PUSH
+        # in another layout would replace: wait for the PUSH itself.
+        wait_until(lambda: (0, 0) in merger._parts and merger._parts[(0, 0)].pushed,
+                   "the first push to reach the server")
         with pytest.raises(RemoteProtocolError, match="dtype_code=10.*differs.*dtype_code=1"):
             second.pushpull(0, values).wait()
         with pytest.raises(StepTimeout):

@@ -70,6 +70,31 @@ def test_config_to_env_round_trips():
     assert config.stats_path(3) == "stats-3.jsonl"
 
 
+def test_auto_defaults_resolve_to_bfloat16_and_rescale_with_differential_transmission():
+    config = Config.from_env({})
+    assert (config.wire_dtype, config.receive_mode) == ("bfloat16", "rescale")
+    # Everything reliable is the lossless A/B baseline: it keeps the gradients' own dtype.
+    assert Config.from_env({"DGT_ENABLE": "0"}).wire_dtype == "native"
+    # Error feedback needs drop, so turning it on alone still makes a valid configuration.
+    assert Config.from_env({"DGT_ERROR_FEEDBACK": "1"}).receive_mode == "drop"
+    explicit = Config.from_env({"DGT_WIRE_DTYPE": "native", "DGT_RECEIVE_MODE": "diff"})
+    assert (explicit.wire_dtype, explicit.receive_mode) == ("native", "diff")
+    assert Config.from_env({"DGT_WIRE_DTYPE": "auto", "DGT_ENABLE": "0"}).wire_dtype == "native"
+
+
+def test_auto_settings_travel_as_auto_and_are_resolved_again_on_replace():
+    config = Config()
+    assert config.to_env()["DGT_WIRE_DTYPE"] == "auto"
+    assert config.to_env()["DGT_RECEIVE_MODE"] == "auto"
+    assert Config.from_env(config.to_env()) == config
+    # A stale "rescale" carried into a replaced config would fail the error-feedback check.
+    assert config.replace(error_feedback=True).receive_mode == "drop"
+    assert config.replace(enable=False).wire_dtype == "native"
+    pinned = config.replace(wire_dtype="native")
+    assert pinned.to_env()["DGT_WIRE_DTYPE"] == "native"
+    assert pinned.replace(enable=True).wire_dtype == "native"
+
+
 def test_readme_documents_every_knob():
     readme = (ROOT / "README.md").read_text()
     for knob in KNOBS:
