@@ -263,6 +263,9 @@ def job_processes(system: str, bed: Testbed, args, model: str, curve: str, log) 
     base = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for key in [k for k in base if k.startswith(("DGT_", "DMLC_"))]:
         del base[key]
+    # Workers and servers import dgt from this checkout: an editable install points at
+    # another one (a worktree's run once mixed the main checkout's workers with its servers).
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, base.get("PYTHONPATH", "")) if p)
     train = [sys.executable, os.path.join(ROOT, "examples", f"train_{model}.py"),
              "--dataset", "fashion-mnist", "--max-steps", str(args.steps), "--batch-size",
              str(args.batch_size), "--lr", str(args.lr), "--eval-samples", str(args.eval_samples),

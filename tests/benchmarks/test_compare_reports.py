@@ -2,6 +2,7 @@
 import argparse
 import csv
 import json
+import os
 
 import pytest
 
@@ -262,3 +263,13 @@ def test_a_traced_run_gets_its_timeline_summary_and_an_untraced_one_none(tmp_pat
     assert path == str(tmp_path / "run-alexnet-dgt-timeline.md")
     text = open(path).read()
     assert "| 7 | 1 | 0.0 | 100.0 | 50.0 | 10.0 | 40.0 |" in text
+
+
+def test_every_process_of_a_job_imports_dgt_from_the_benchmarks_checkout(tmp_path, monkeypatch):
+    # An editable install may point at another checkout than the one running the benchmark.
+    monkeypatch.setattr(compare, "_Child", _Unstarted)
+    monkeypatch.setenv("PYTHONPATH", "elsewhere")
+    children = compare.job_processes("dgt", _Bed(), _job_args(tmp_path, False), "alexnet",
+                                     str(tmp_path / "run-alexnet-dgt.jsonl"), None)
+    for child in children:
+        assert child.env["PYTHONPATH"].split(os.pathsep) == [compare.ROOT, "elsewhere"]
