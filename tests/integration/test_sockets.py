@@ -52,17 +52,21 @@ def delivered_slots(config, rank, key, step, values, k, wire_itemsize=None):
     return layout, layout.valid_slots & (reliable | ~lost)
 
 
-def expected_merge(config, key, data, k, mode):
+def expected_merge(config, key, data, k, mode, wire_dtype=None):
     """The server's merged step 0 of ``key``, computed from the seeded loss: (sum, element
-    mask of the blocks some worker's data reached, whether any slot lost a worker)."""
+    mask of the blocks some worker's data reached, whether any slot lost a worker).  With
+    ``wire_dtype`` (bfloat16) each worker's values are rounded to it before they are summed;
+    rounding the sum for the reply is the caller's."""
     n = next(iter(data.values())).size
     expected = np.zeros(n, dtype=np.float64)
     touched = np.zeros(n, dtype=bool)
     counts = 0
     for rank, values in data.items():
-        layout, slots = delivered_slots(config, rank, key, 0, values, k)
+        layout, slots = delivered_slots(config, rank, key, 0, values, k,
+                                        wire_dtype and np.dtype(wire_dtype).itemsize)
         mask = layout.element_mask(slots)
-        expected[mask] += values[mask]
+        sent = values if wire_dtype is None else values.astype(wire_dtype).astype(values.dtype)
+        expected[mask] += sent[mask]
         blocks = slots.reshape(layout.blocks.n_blocks, -1).any(axis=1)
         touched |= np.repeat(blocks, config.block_elems)[:n]
         counts = counts + slots
@@ -551,18 +555,14 @@ def test_a_default_job_sums_bfloat16_survivors_and_rescales_what_one_worker_lost
     data = {r: np.random.default_rng([r, 4]).normal(0, 1e-3, n).astype(np.float32)
             for r in range(2)}
     results = run_workers(config, lambda w: w.pushpull(key, data[w.rank]).wait().copy(), 2)
-    total = np.zeros(n, np.float32)
-    delivered = 0
-    for rank, values in data.items():
-        layout, slots = delivered_slots(config, rank, key, 0, values, k, wire_itemsize=2)
-        mask = layout.element_mask(slots)
-        total[mask] += values.astype(BFLOAT16).astype(np.float32)[mask]
-        delivered = delivered + slots.astype(int)
-    assert ((delivered == 1) & layout.valid_slots).any(), "some fragment should lose one worker"
-    scale = np.where(delivered > 0, 2 / np.maximum(delivered, 1), 1).astype(np.float32)
-    total *= np.repeat(scale.reshape(layout.blocks.n_blocks, -1), layout.frag_elems,
-                       axis=1)[:, :config.block_elems].reshape(-1)[:n]
-    expected = total.astype(BFLOAT16).astype(np.float32)
+    # Two workers: the float32 sum of two bfloat16 values is the exact sum rounded once, as
+    # the oracle's float64 sum cast to float32 is; the scale (1 or 2) is exact.
+    total, _, some_lost = expected_merge(config, key, data, k, "rescale", wire_dtype=BFLOAT16)
+    assert some_lost, "the seeded loss should have hit some fragment"
+    expected = total.astype(np.float32).astype(BFLOAT16).astype(np.float32)
+    unscaled, _, _ = expected_merge(config, key, data, k, "drop", wire_dtype=BFLOAT16)
+    assert not np.array_equal(expected, unscaled.astype(np.float32).astype(BFLOAT16)
+                              .astype(np.float32)), "some fragment should lose one worker only"
     for rank in range(2):
         np.testing.assert_array_equal(results[rank], expected)
     assert servers[0].server.merger.counters.get("merged", 0) > 0
