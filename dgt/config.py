@@ -18,10 +18,12 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 from .errors import ConfigError
 
-__all__ = ["AUTO", "Config", "KNOBS", "Knob", "RECEIVE_MODES", "WIRE_DTYPES", "markdown_table"]
+__all__ = ["AUTO", "Config", "KNOBS", "Knob", "RECEIVE_MODES", "WEIGHTS_REPLIES", "WIRE_DTYPES",
+           "markdown_table"]
 
 RECEIVE_MODES = ("drop", "diff", "rescale")
 WIRE_DTYPES = ("native", "bfloat16")
+WEIGHTS_REPLIES = ("delta", "full")
 # A knob whose best value depends on other knobs defaults to AUTO; Config resolves it once, at
 # construction, so every reader sees a concrete value.
 AUTO = "auto"
@@ -92,6 +94,13 @@ KNOBS: Tuple[Knob, ...] = (
          "DGT_ENABLE=1, native with DGT_ENABLE=0 (the lossless A/B baseline stays exact). "
          "Every worker must use the same.",
          "worker"),
+    Knob("weights_reply", "DGT_WEIGHTS_REPLY", str, "delta", "|".join(WEIGHTS_REPLIES),
+         lambda v: v in WEIGHTS_REPLIES,
+         "How a server-side optimizer's weights come back when the gradients came in "
+         "bfloat16. delta: each reply is the bfloat16 step from the weights the workers hold "
+         "(the server keeps a copy of them) to its float32 weights, half the bytes; rounding "
+         "never accumulates, since the next step starts from what the workers hold. full: "
+         "the float32 weights. Gradients in float32 always get float32 weights.", "server"),
     # --- receive side ----------------------------------------------------------------------
     Knob("receive_mode", "DGT_RECEIVE_MODE", str, AUTO, "|".join((AUTO,) + RECEIVE_MODES),
          lambda v: v in (AUTO,) + RECEIVE_MODES,
@@ -229,6 +238,7 @@ class Config:
     random_order: bool = False
     send_drop: bool = False
     wire_dtype: str = AUTO
+    weights_reply: str = "delta"
     receive_mode: str = AUTO
     error_feedback: bool = False
     grace_ms: float = 10.0

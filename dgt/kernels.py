@@ -34,9 +34,9 @@ from numba import njit
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
-__all__ = ["block_abs_sums", "blocks_into_", "cast", "datagram_rows_", "datagram_rows_bfloat16_",
-           "gather_bfloat16_", "gather_rows_", "merge_rows_", "rows_add_", "scale_ranges_",
-           "to_bfloat16", "warm_up"]
+__all__ = ["add_bfloat16_", "block_abs_sums", "blocks_into_", "cast", "datagram_rows_",
+           "datagram_rows_bfloat16_", "gather_bfloat16_", "gather_rows_", "merge_rows_",
+           "rows_add_", "scale_ranges_", "to_bfloat16", "weights_delta_bfloat16_", "warm_up"]
 
 # Reassociation lets the compiler keep several partial sums in vector registers; the flags
 # that assume no NaN or infinity are left out, so a NaN gradient still gives a NaN score.
@@ -235,6 +235,67 @@ def rows_add_(acc: np.ndarray, starts: np.ndarray, stops: np.ndarray, rows: np.n
     else:
         return False
     return True
+
+
+_DELTA_CHUNK = 1024  # elements widened at a time: the chunk stays in cache between its loops
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _weights_delta_bfloat16(weights, held, out_bits):  # pragma: no cover - compiled
+    chunk = np.empty(_DELTA_CHUNK, np.float32)
+    chunk_bits = chunk.view(np.uint32)
+    for lo in range(0, weights.size, _DELTA_CHUNK):
+        hi = min(lo + _DELTA_CHUNK, weights.size)
+        for i in range(hi - lo):
+            chunk[i] = weights[lo + i] - held[lo + i]
+        _to_bfloat16_bits(chunk_bits[:hi - lo], out_bits[lo:hi])
+        for i in range(hi - lo):
+            chunk_bits[i] = np.uint32(out_bits[lo + i]) << np.uint32(16)
+            held[lo + i] += chunk[i]
+
+
+def weights_delta_bfloat16_(weights: np.ndarray, held: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The bfloat16 step from ``held`` (float32: the weights the workers hold) towards
+    ``weights`` (float32: the server's), into ``out``, and ``held`` moved by exactly that
+    step, as a worker adding it will move: ``out = bfloat16(weights - held);
+    held += float32(out)``.  One pass; numpy's expression otherwise.  Returns ``out``."""
+    if weights.shape != held.shape or weights.shape != out.shape:
+        raise ValueError(f"weights_delta_bfloat16_: shapes {weights.shape}, {held.shape} and "
+                         f"{out.shape} differ")
+    if weights.dtype == np.float32 and held.dtype == np.float32 and out.dtype == _BFLOAT16 \
+            and weights.ndim == 1 and weights.flags.c_contiguous and held.flags.c_contiguous \
+            and out.flags.c_contiguous:
+        _weights_delta_bfloat16(weights, held, out.view(np.uint16))
+    else:
+        to_bfloat16(np.subtract(weights, held, dtype=np.float32), out)
+        held += out.astype(held.dtype)
+    return out
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _add_bfloat16(target, bits):  # pragma: no cover - compiled
+    widened = np.empty(_DELTA_CHUNK, np.uint32)
+    as_float = widened.view(np.float32)
+    for lo in range(0, target.size, _DELTA_CHUNK):
+        hi = min(lo + _DELTA_CHUNK, target.size)
+        for i in range(hi - lo):
+            widened[i] = np.uint32(bits[lo + i]) << np.uint32(16)
+        for i in range(hi - lo):
+            target[lo + i] += as_float[i]
+
+
+def add_bfloat16_(target: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """``target += delta`` for a float32 ``target`` and a bfloat16 ``delta`` (a worker
+    applying :func:`weights_delta_bfloat16_`'s step), widening in cache instead of through a
+    float32 copy of ``delta``.  Returns ``target``."""
+    if target.shape != delta.shape:
+        raise ValueError(f"add_bfloat16_: shapes {target.shape} and {delta.shape} differ")
+    if target.dtype == np.float32 and delta.dtype == _BFLOAT16 and target.ndim == 1 \
+            and target.flags.c_contiguous and delta.flags.c_contiguous:
+        _add_bfloat16(target, delta.view(np.uint16))
+    else:
+        target += delta.astype(target.dtype)
+    return target
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -473,6 +534,11 @@ def warm_up() -> None:
     for source in received[:2]:  # a worker keeping its lost datagrams' values
         gather_rows_(np.zeros((2, 32), np.float32), source, np.array([0, 32]),
                      np.array([32, 64]))
+    held = np.zeros(128, np.float32)
+    delta = weights_delta_bfloat16_(values, held, np.empty(128, _BFLOAT16))
+    add_bfloat16_(padded, delta)
+    for payload in received[2:]:  # a worker's delta is a read-only view of a ZeroMQ frame
+        add_bfloat16_(padded, payload)
     headers = np.zeros((2, 4), np.uint8)
     datagram_rows_(np.empty((2, 4 + 64), np.uint8), headers, values.view(np.uint8),
                    np.array([0, 64]))

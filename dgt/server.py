@@ -37,8 +37,9 @@ from .transport.links import (CLOSE_DRAIN_S, POLLIN, POLLOUT, SOCKET_QUEUE_MESSA
 from .transport.outbox import PriorityOutbox
 from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLAG_WEIGHTS,
-                   HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
+from .weights import HeldWeights
+from .wire import (FLAG_ALL_RELIABLE, FLAG_DELTA, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE,
+                   FLAG_WEIGHTS, HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
                    code_dtype, decode_blocks, decode_header, decode_scores, dtype_code,
                    encode_header, split_dense, sum_reply_frames)
 
@@ -175,6 +176,7 @@ class Server:
         self._init_seen: Counter = Counter()
         self._barrier: Dict[int, int] = {}
         self._optimizer: Optional[_Optimizer] = None
+        self._held = HeldWeights(config.weights_reply == "delta")
         self._buckets: Dict[int, _Bucket] = {}
         self._stop = threading.Event()
         self._last_activity = time.monotonic()
@@ -351,6 +353,7 @@ class Server:
             self._optimizer = _Optimizer(frames[1].bytes)
             self._weights = {key: self._optimizer.wrap(value)
                              for key, value in self._values.items()}
+            self._held.clear()
             logger.info("server %d runs the optimizer from now on", self.config.server_index)
             self._send(rank, header._replace(type=MsgType.ACK))
         elif mtype in (MsgType.GET_STATES, MsgType.SET_STATES):
@@ -462,6 +465,7 @@ class Server:
             if value.size != header.n_elems:
                 raise RemoteProtocolError("INIT value size does not match its header")
             self._values[key] = value
+            self._held.forget(key)
             if self._optimizer is not None:
                 self._weights[key] = self._optimizer.wrap(value)
             self._init_gen[key] = generation
@@ -553,6 +557,9 @@ class Server:
                     payload[lo:hi] = self._values[(member, 0)]
             flags |= FLAG_WEIGHTS
             optimizer_s = time.thread_time() - optimizer_began
+            payload, is_delta = self._held.reply(key, payload, closed.merged.dtype)
+            if is_delta:
+                flags |= FLAG_DELTA
         else:
             self._values[key] = closed.merged
             payload = closed.merged

@@ -25,7 +25,9 @@ PUSH_END       --                                     the UDP datagrams of (key,
 REPLY          missing-slot bitmap, [scores],         merged result of (key, part, step) + stats;
                [block indices], payload...            scores (FLAG_SCORES): the sum of the
                                                        workers' scores; block indices
-                                                       (FLAG_SPARSE): the blocks sent
+                                                       (FLAG_SPARSE): the blocks sent;
+                                                       weights (FLAG_WEIGHTS), or their step
+                                                       since the last REPLY (FLAG_DELTA)
 INIT           [payload...]                           broadcast/init; rank 0 carries the value
 VALUE          payload...                             the stored value (answer to INIT / PULL)
 PULL           --                                     ask for the stored value of (key, part)
@@ -68,7 +70,8 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
            "sum_reply_frames", "SPARSE_REPLY_MIN_SAVING",
            "MsgType", "Header", "HEADER_BYTES", "encode_header", "decode_header",
            "decode_datagram", "dtype_code", "code_dtype", "FLOAT_CODES", "FLAG_ALL_RELIABLE",
-           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "FLAG_SCORES", "NO_RANK",
+           "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "FLAG_SCORES", "FLAG_DELTA",
+           "NO_RANK",
            "PRIORITY_CONTROL", "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
            "HEADER_DTYPE", "data_headers", "Datagrams", "frame_datagrams", "check_datagrams",
            "header_runs", "decode_scores",
@@ -80,7 +83,9 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
 CHUNK_BYTES = 1 << 20
 
 MAGIC = b"DG"
-VERSION = 3  # 2: the header carries a priority; 3: block scores travel (FLAG_SCORES)
+# 2: the header carries a priority; 3: block scores travel (FLAG_SCORES); 4: weights come back
+# as bfloat16 deltas (FLAG_DELTA)
+VERSION = 4
 NO_RANK = 0xFFFF
 # Priorities of messages that are not gradients: control messages pass every data message,
 # BYE leaves after them all.
@@ -93,6 +98,9 @@ FLAG_WEIGHTS = 4  # REPLY: the payload is updated weights (server-side optimizer
 FLAG_SPARSE = 8  # REPLY: after the bitmap, an index frame of the blocks sent; the rest are zero
 # PUSH: after the index frame, REPLY: after the bitmap, a frame of block scores (float32)
 FLAG_SCORES = 16
+# REPLY (with FLAG_WEIGHTS): the payload is the bfloat16 step from the weights of the key's last
+# REPLY to the new ones, not the weights (see dgt.kernels.weights_delta_bfloat16_)
+FLAG_DELTA = 32
 
 
 class MsgType(enum.IntEnum):

@@ -28,7 +28,7 @@ import zmq
 
 from .config import Config
 from .errors import LocalProtocolError, PeerLost, RemoteProtocolError, StepTimeout
-from .kernels import cast, warm_up
+from .kernels import add_bfloat16_, cast, warm_up
 from .lossmodel import dropped_slots
 from .memory import ResidualMemory
 from .partition import BlockLayout, FragmentLayout, Part, fragment_elems, plan_parts
@@ -39,9 +39,9 @@ from .stats import JsonLinesSink, StepStats
 from .trace import NO_TRACE, open_tracer
 from .transport.links import ServerLinks
 from .transport.udp import UdpSender
-from .wire import (FLAG_ALL_RELIABLE, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE, FLOAT_CODES,
-                   HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
-                   BFLOAT16, clamp_priority, code_dtype, decode_blocks,
+from .wire import (FLAG_ALL_RELIABLE, FLAG_DELTA, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE,
+                   FLAG_WEIGHTS, FLOAT_CODES, HEADER_BYTES, NO_RANK, PRIORITY_CONTROL,
+                   PRIORITY_LAST, Header, MsgType, BFLOAT16, clamp_priority, code_dtype, decode_blocks,
                    decode_header, decode_scores, dtype_code, encode_header, split_blocks,
                    split_dense, frame_datagrams)
 
@@ -88,6 +88,9 @@ class _KeyPlan:
     last: Optional[Pending] = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     result: Optional[np.ndarray] = None  # reply buffer, reused every step
+    # With a server-side optimizer ``result`` also holds the weights the next delta reply
+    # (wire.FLAG_DELTA) applies to: part index -> the step of the reply it holds.
+    held_steps: Dict[int, int] = field(default_factory=dict)
 
 
 class Worker:
@@ -250,6 +253,21 @@ class Worker:
         parts = plan_parts(n_elems, key, len(self._addrs), self.config.bigarray_elems,
                            self.config.part_elems)
         return parts[0].server if len(parts) == 1 else None
+
+    def set_reply_buffer(self, key: int, array: np.ndarray) -> None:
+        """Let the replies of ``key`` land in ``array`` (flat, contiguous, the key's size and
+        dtype) when :meth:`pushpull` gets no ``out``, from now on.  Nothing else may write
+        it: with a server-side optimizer it holds the weights the next reply's delta applies
+        to (``DGT_WEIGHTS_REPLY``), so a caller that lends its own buffer saves a copy."""
+        if array.ndim != 1 or not array.flags.c_contiguous or not array.flags.writeable:
+            raise LocalProtocolError(f"reply buffer of key {key}: must be a flat, contiguous, "
+                                     f"writeable array (got shape {array.shape})")
+        plan = self._plan(key, array)
+        if plan.last is not None and not plan.last.done():
+            plan.last.wait()
+        if plan.result is not None and plan.result is not array and plan.held_steps:
+            array[:] = plan.result
+        plan.result = array
 
     def define_bucket(self, bucket_key: int, server: int, members: List[Tuple[int, int]],
                       dtype) -> Pending:
@@ -723,10 +741,14 @@ class Worker:
             first = 3
         if header.flags & FLAG_SPARSE:
             self._fill_sparse(entry, header, frames[first], frames[first + 1:])
+        elif header.flags & FLAG_DELTA:
+            self._fill_delta(entry, header, frames[first:])
         else:
             self._fill(entry, header, frames[first:])
         if entry.pending.done():  # failed while filling
             return
+        if header.flags & FLAG_WEIGHTS:
+            self._hold_weights(entry, header)
         carried = 0
         if header.flags & FLAG_FEEDBACK and entry.compensated is not None:
             layout = entry.layout
@@ -776,6 +798,42 @@ class Worker:
         if offset != part.stop or sum(len(f.buffer) for f in frames) != part.n_elems * dtype.itemsize:
             pending._fail(RemoteProtocolError(
                 f"{pending.what}: reply does not hold the {part.n_elems} elements expected"))
+
+    def _hold_weights(self, entry: _Inflight, header: Header) -> None:
+        """Keep the weights of a reply in the key's own buffer: the base of the next delta."""
+        plan, part = self._keys[header.key], entry.part
+        result = entry.pending.result
+        if plan.result is None:
+            plan.result = np.empty(plan.n_elems, dtype=plan.dtype)
+        if result is not plan.result:
+            plan.result[part.start:part.stop] = result[part.start:part.stop]
+        plan.held_steps[part.index] = header.step
+
+    def _fill_delta(self, entry: _Inflight, header: Header, frames) -> None:
+        """Add a reply's bfloat16 step (``dgt.weights``) to the weights of the key's last
+        reply, then copy them into the pending result when that is another array."""
+        pending, part = entry.pending, entry.part
+        plan = self._keys[header.key]
+        dtype = code_dtype(header.dtype)
+        if dtype != BFLOAT16 or plan.dtype != np.float32 or plan.result is None \
+                or plan.held_steps.get(part.index) != header.step - 1:
+            pending._fail(RemoteProtocolError(
+                f"{pending.what}: a delta reply ({dtype}) for step {header.step} of part "
+                f"{part.index}, but this worker holds the {plan.dtype} weights of step "
+                f"{plan.held_steps.get(part.index)}"))
+            return
+        if sum(len(f.buffer) for f in frames) != part.n_elems * dtype.itemsize:
+            pending._fail(RemoteProtocolError(
+                f"{pending.what}: delta reply does not hold the {part.n_elems} elements expected"))
+            return
+        held = plan.result
+        offset = part.start
+        for frame in frames:
+            data = np.frombuffer(frame.buffer, dtype=dtype)
+            add_bfloat16_(held[offset:offset + data.size], data)
+            offset += data.size
+        if pending.result is not held:
+            pending.result[part.start:part.stop] = held[part.start:part.stop]
 
     def _fill_sparse(self, entry: _Inflight, header: Header, index_frame, frames) -> None:
         """A reply that holds only the blocks some worker's data reached (the server's

@@ -134,7 +134,7 @@ class DGT(KVStoreBase):
         when the reply is in ``buffers.recv`` (on the I/O thread, or at the timeout)."""
         try:
             pending = self._worker.pushpull(key_id, buffers.send_host, stats,
-                                            out=buffers.recv_host, priority=priority)
+                                            priority=priority)  # into buffers.recv_host
         except Exception as exc:  # noqa: BLE001 - raised by the next kvstore call
             self._remember_error(exc)
             completion()
@@ -266,6 +266,9 @@ class DGT(KVStoreBase):
         if buffers is None or not buffers.fits(like):
             buffers = HostBuffers(like.shape, like.dtype)
             self._buffers[key_id] = buffers
+            # Replies land in it directly: with the optimizer on the servers it then also
+            # holds the weights a delta reply applies to, without a copy of its own.
+            self._worker.set_reply_buffer(key_id, buffers.recv_host)
         return buffers
 
     def _key_id(self, key) -> int:

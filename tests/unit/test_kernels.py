@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from dgt.kernels import (block_abs_sums, blocks_into_, cast, datagram_rows_,
+from dgt.kernels import (add_bfloat16_, block_abs_sums, blocks_into_, cast, datagram_rows_,
                          datagram_rows_bfloat16_, gather_bfloat16_, gather_rows_, merge_rows_,
-                         rows_add_, scale_ranges_, to_bfloat16)
+                         rows_add_, scale_ranges_, to_bfloat16, weights_delta_bfloat16_)
 from dgt.partition import BlockLayout
 from dgt.wire import BFLOAT16
 
@@ -195,6 +195,11 @@ def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
     memory = ResidualMemory()
     memory.remember(0, values, *layout.slot_ranges(slots[::3]))
     memory.compensate(0, values, out=np.empty_like(values))
+    # A server-side optimizer's delta reply, and a worker adding a read-only frame of it.
+    held = values + 1e-3
+    delta = weights_delta_bfloat16_(values, held, np.empty(5000, BFLOAT16))
+    frame = np.frombuffer(delta.tobytes(), dtype=BFLOAT16)
+    add_bfloat16_(held[1000:], frame[1000:])
     compiled = {name: set(d.signatures) - before[name] for name, d in dispatchers.items()}
     assert not any(compiled.values()), compiled
 
@@ -367,3 +372,38 @@ def test_scale_ranges_refuses_ranges_outside_and_mismatched_lengths():
     with pytest.raises(ValueError, match="1 starts, 1 stops and 2 factors"):
         scale_ranges_(acc, np.array([0]), np.array([10]), np.array([2.0, 3.0]))
     assert (acc == 1).all()
+
+
+@pytest.mark.parametrize("n_elems", [1, 1024, 5 * 1024 + 17])
+def test_weights_delta_is_the_rounded_step_and_moves_the_held_copy_by_it(rng, n_elems):
+    weights = rng.uniform(0.5, 1.5, n_elems).astype(np.float32)
+    held = weights + rng.standard_normal(n_elems).astype(np.float32) * 1e-3
+    expected_delta = (weights - held).astype(BFLOAT16)
+    expected_held = held + expected_delta.astype(np.float32)
+    out = weights_delta_bfloat16_(weights, held, np.empty(n_elems, BFLOAT16))
+    np.testing.assert_array_equal(out.view(np.uint16), expected_delta.view(np.uint16))
+    np.testing.assert_array_equal(held, expected_held)
+
+
+def test_weights_delta_of_other_dtypes_takes_the_numpy_path(rng):
+    weights = rng.standard_normal(300)
+    held = np.zeros(300)
+    out = weights_delta_bfloat16_(weights, held, np.empty(300, BFLOAT16))
+    np.testing.assert_array_equal(out.view(np.uint16),
+                                  weights.astype(np.float32).astype(BFLOAT16).view(np.uint16))
+    np.testing.assert_array_equal(held, out.astype(np.float64))
+    with pytest.raises(ValueError, match="shapes"):
+        weights_delta_bfloat16_(weights, held[:10], out)
+
+
+@pytest.mark.parametrize("n_elems", [1, 1024, 5 * 1024 + 17])
+def test_add_bfloat16_widens_and_adds_as_numpy(rng, n_elems):
+    target = rng.standard_normal(n_elems).astype(np.float32)
+    delta = rng.standard_normal(n_elems).astype(BFLOAT16)
+    expected = target + delta.astype(np.float32)
+    frozen = np.frombuffer(delta.tobytes(), dtype=BFLOAT16)  # read-only, as from ZeroMQ
+    np.testing.assert_array_equal(add_bfloat16_(target, frozen), expected)
+    other = target.astype(np.float64)
+    np.testing.assert_array_equal(add_bfloat16_(other, delta), target + delta.astype(np.float64))
+    with pytest.raises(ValueError, match="shapes"):
+        add_bfloat16_(target, delta[:-1] if n_elems > 1 else delta[:0])
