@@ -39,8 +39,8 @@ from .transport.priority import apply_zmq_priority
 from .transport.udp import UdpReceiver
 from .weights import HeldWeights
 from .wire import (FLAG_ALL_RELIABLE, FLAG_DELTA, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE,
-                   FLAG_WEIGHTS, HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header, MsgType,
-                   code_dtype, decode_blocks, decode_header, decode_scores, dtype_code,
+                   FLAG_WEIGHTS, HEADER_BYTES, NO_RANK, PRIORITY_CONTROL, PRIORITY_LAST, Header,
+                   MsgType, code_dtype, decode_blocks, decode_header, decode_scores, dtype_code,
                    encode_header, split_dense, sum_reply_frames)
 
 __all__ = ["Server", "main"]

@@ -8,7 +8,7 @@ would halve that but lose the small updates (a weight of 1.0 moves in steps of 2
 *step* in bfloat16 loses none of that: the server keeps a float32 copy of what the workers hold
 (:class:`HeldWeights`), sends ``bfloat16(weights - held)`` and moves its copy by exactly what
 the workers will add.  The workers' weights then lag the server's by one bfloat16 rounding of
-one step's change (a relative 2**-9 of it), and that remainder is part of the next step's
+one step's change (at most 2**-8 of it), and that remainder is part of the next step's
 delta: rounding never accumulates.
 
 Every worker gets every reply of a key, in step order (BSP), so one copy per (key, part)

@@ -41,9 +41,9 @@ from .transport.links import ServerLinks
 from .transport.udp import UdpSender
 from .wire import (FLAG_ALL_RELIABLE, FLAG_DELTA, FLAG_FEEDBACK, FLAG_SCORES, FLAG_SPARSE,
                    FLAG_WEIGHTS, FLOAT_CODES, HEADER_BYTES, NO_RANK, PRIORITY_CONTROL,
-                   PRIORITY_LAST, Header, MsgType, BFLOAT16, clamp_priority, code_dtype, decode_blocks,
-                   decode_header, decode_scores, dtype_code, encode_header, split_blocks,
-                   split_dense, frame_datagrams)
+                   PRIORITY_LAST, Header, MsgType, BFLOAT16, clamp_priority, code_dtype,
+                   decode_blocks, decode_header, decode_scores, dtype_code, encode_header,
+                   split_blocks, split_dense, frame_datagrams)
 
 __all__ = ["Worker", "Pending", "report_loss"]
 
@@ -747,7 +747,7 @@ class Worker:
             self._fill(entry, header, frames[first:])
         if entry.pending.done():  # failed while filling
             return
-        if header.flags & FLAG_WEIGHTS:
+        if header.flags & FLAG_WEIGHTS and not header.flags & FLAG_DELTA:
             self._hold_weights(entry, header)
         carried = 0
         if header.flags & FLAG_FEEDBACK and entry.compensated is not None:
@@ -800,8 +800,11 @@ class Worker:
                 f"{pending.what}: reply does not hold the {part.n_elems} elements expected"))
 
     def _hold_weights(self, entry: _Inflight, header: Header) -> None:
-        """Keep the weights of a reply in the key's own buffer: the base of the next delta."""
+        """Keep whole weights in the key's own buffer: the base of the next delta.  Only
+        bfloat16 gradients get delta replies, so float32 ones need no copy."""
         plan, part = self._keys[header.key], entry.part
+        if self._wire_dtype(plan.dtype) != BFLOAT16:
+            return
         result = entry.pending.result
         if plan.result is None:
             plan.result = np.empty(plan.n_elems, dtype=plan.dtype)
@@ -815,7 +818,7 @@ class Worker:
         pending, part = entry.pending, entry.part
         plan = self._keys[header.key]
         dtype = code_dtype(header.dtype)
-        if dtype != BFLOAT16 or plan.dtype != np.float32 or plan.result is None \
+        if dtype != BFLOAT16 or plan.dtype != np.float32 \
                 or plan.held_steps.get(part.index) != header.step - 1:
             pending._fail(RemoteProtocolError(
                 f"{pending.what}: a delta reply ({dtype}) for step {header.step} of part "
@@ -824,7 +827,8 @@ class Worker:
             return
         if sum(len(f.buffer) for f in frames) != part.n_elems * dtype.itemsize:
             pending._fail(RemoteProtocolError(
-                f"{pending.what}: delta reply does not hold the {part.n_elems} elements expected"))
+                f"{pending.what}: delta reply does not hold the {part.n_elems} elements "
+                "expected"))
             return
         held = plan.result
         offset = part.start
@@ -834,6 +838,7 @@ class Worker:
             offset += data.size
         if pending.result is not held:
             pending.result[part.start:part.stop] = held[part.start:part.stop]
+        plan.held_steps[part.index] = header.step
 
     def _fill_sparse(self, entry: _Inflight, header: Header, index_frame, frames) -> None:
         """A reply that holds only the blocks some worker's data reached (the server's

@@ -1,4 +1,4 @@
-"""HeldWeights: when a server-side optimizer's reply is a delta, and what it makes a worker hold."""
+"""HeldWeights: when a server-side optimizer's reply is a delta, and what a worker then holds."""
 import numpy as np
 
 from dgt.weights import HeldWeights
