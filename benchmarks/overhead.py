@@ -7,7 +7,10 @@ worker runs per push (error feedback: the residual added before the push and the
 values kept from the reply; block scores, channel choice, gathering the reliable blocks,
 building the datagram rows) and the ones the server runs per step (merging the reliable
 parts and the datagrams of every worker, closing the step, and framing the reply of a summing
-server: the touched blocks gathered when the reply is sparse).  Sockets are left out: this is the
+server: the touched blocks gathered when the reply is sparse).  ``--server-optimizer`` times
+the replies of a server that runs the optimizer instead (the update itself left out, as MXNet's
+own work): the server's ``DGT_WEIGHTS_REPLY`` payload (whole weights, or the bfloat16 step
+from the held copy) and the worker putting it in place (a copy, or the widening add).  Sockets are left out: this is the
 part of a step that dgt adds on top of moving the bytes, to compare with the measured step time.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dgt.config import Config  # noqa: E402
-from dgt.kernels import cast  # noqa: E402
+from dgt.kernels import add_bfloat16_, cast  # noqa: E402
 from dgt.memory import ResidualMemory  # noqa: E402
 from dgt.merge import StepMerger  # noqa: E402
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
@@ -31,6 +34,7 @@ from dgt.policy import assign_channels  # noqa: E402
 from dgt.scoring import ContributionState, score_blocks  # noqa: E402
 from dgt.wire import (BFLOAT16, Header, MsgType, chunk_elems, dtype_code,  # noqa: E402
                       frame_datagrams, sum_reply_frames)
+from dgt.weights import HeldWeights  # noqa: E402
 
 
 def model_shapes(name: str):
@@ -46,8 +50,42 @@ def model_shapes(name: str):
     return [p.shape for _, p in sorted(net.collect_params().items())]
 
 
+class WeightsReplies:
+    """A server-side optimizer's weights per part, the server's held copy and every worker's
+    weights: the state the replies of ``--server-optimizer`` run on."""
+
+    def __init__(self, config, rank_count):
+        self.held = HeldWeights(config.weights_reply == "delta")
+        self.rank_count = rank_count
+        self.weights, self.workers = {}, {}
+        self.rng = np.random.default_rng(2)
+
+    def server_reply(self, ident, n_elems, gradient_dtype):
+        """The reply's payload after an (untimed) optimizer step; ``(payload, is_delta,
+        seconds)``."""
+        weights = self.weights.get(ident)
+        if weights is None:
+            weights = self.weights[ident] = self.rng.uniform(-1, 1, n_elems).astype(np.float32)
+            self.workers[ident] = [weights.copy() for _ in range(self.rank_count)]
+        weights -= np.float32(1e-3) * weights  # stands for the optimizer: a small step
+        began = time.perf_counter()
+        payload, is_delta = self.held.reply(ident, weights, gradient_dtype)
+        return payload, is_delta, time.perf_counter() - began
+
+    def worker_apply(self, ident, payload, is_delta):
+        """Every worker puts the reply in place, as ``Worker._fill`` / ``_fill_delta`` do;
+        returns the seconds per worker."""
+        began = time.perf_counter()
+        for held in self.workers[ident]:
+            if is_delta:
+                add_bfloat16_(held, payload)
+            else:
+                held[:] = payload
+        return (time.perf_counter() - began) / self.rank_count
+
+
 def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0.0, rng=None,
-             run_datagrams=60):
+             run_datagrams=60, replies=None):
     worker_s = server_s = 0.0
     # DGT_WIRE_DTYPE=bfloat16: what travels is rounded on the way (timed with the worker).
     wire = BFLOAT16 if config.wire_dtype == "bfloat16" else np.dtype(np.float32)
@@ -123,10 +161,16 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                     merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
             closed = merger.poll(0.0)
             assert closed, "the step should close once everything arrived"
-            for step_closed in closed:  # the reply of a summing server (optimizer on workers)
-                sum_reply_frames(step_closed.merged, step_closed.touched_blocks,
-                                 step_closed.block_elems)
+            if replies is None:
+                for step_closed in closed:  # the reply of a summing server (optimizer on workers)
+                    sum_reply_frames(step_closed.merged, step_closed.touched_blocks,
+                                     step_closed.block_elems)
             server_s += time.perf_counter() - began
+            if replies is not None:
+                payload, is_delta, seconds = replies.server_reply((key, part.index),
+                                                                  part.n_elems, wire)
+                server_s += seconds
+                worker_s += replies.worker_apply((key, part.index), payload, is_delta)
             if config.error_feedback:
                 # The reply's half of error feedback: each worker keeps the values of its
                 # datagrams that were not merged, for the next step's compensate above.
@@ -162,6 +206,9 @@ def main() -> int:
     parser.add_argument("--run-datagrams", type=int, default=60,
                         help="datagrams per merge call (default 60: a worker hands the kernel "
                              "up to 60 per GSO call, and a server merges run by run)")
+    parser.add_argument("--server-optimizer", action="store_true",
+                        help="the replies of a server that runs the optimizer: weights, as "
+                             "DGT_WEIGHTS_REPLY says, instead of the sum")
     args = parser.parse_args()
     if not 0.0 <= args.udp_loss <= 1.0:
         parser.error(f"--udp-loss must be within 0..1 (got {args.udp_loss})")
@@ -176,8 +223,9 @@ def main() -> int:
     merger = StepMerger(args.workers, config.receive_mode, grace_s=0.0,
                         error_feedback=config.error_feedback)
     loss_rng = np.random.default_rng(1)
+    replies = WeightsReplies(config, args.workers) if args.server_optimizer else None
     times = [one_step(config, shapes, grads, states, merger, step, args.workers, args.udp_loss,
-                      loss_rng, args.run_datagrams)
+                      loss_rng, args.run_datagrams, replies)
              for step in range(args.repeat + 1)][1:]
     accumulators = [np.empty_like(g) for g in grads]
     plain_ms = statistics.median(plain_sum_step(grads, accumulators, args.workers)
@@ -188,8 +236,10 @@ def main() -> int:
     print(f"{args.model}: {params / 1e6:.1f} M parameters, k={config.threshold}, "
           f"{args.workers} workers, error feedback {'on' if config.error_feedback else 'off'}, "
           f"UDP loss {args.udp_loss:.0%}, wire dtype {config.wire_dtype}, "
-          f"{args.run_datagrams} datagrams per merge call "
-          "(the defaults; DGT_* variables change them)")
+          f"{args.run_datagrams} datagrams per merge call, "
+          + (f"optimizer on the servers, weights replies {config.weights_reply} "
+             if args.server_optimizer else "optimizer on the workers ")
+          + "(the defaults; DGT_* variables change them)")
     print(f"worker CPU per step (feedback, score, classify, frame): {worker_ms:7.1f} ms")
     print(f"server CPU per step (merge {args.workers} workers, close, frame the reply): "
           f"{server_ms:7.1f} ms")
