@@ -240,18 +240,23 @@ def rows_add_(acc: np.ndarray, starts: np.ndarray, stops: np.ndarray, rows: np.n
 _DELTA_CHUNK = 1024  # elements widened at a time: the chunk stays in cache between its loops
 
 
+# Both delta kernels index slices of the chunk's range, not the whole arrays from `lo + i`: the
+# computed offset kept LLVM from vectorising the loops, which then ran 2.5-3x slower.
 @njit(cache=True, nogil=True, boundscheck=False)
 def _weights_delta_bfloat16(weights, held, out_bits):  # pragma: no cover - compiled
     chunk = np.empty(_DELTA_CHUNK, np.float32)
     chunk_bits = chunk.view(np.uint32)
     for lo in range(0, weights.size, _DELTA_CHUNK):
         hi = min(lo + _DELTA_CHUNK, weights.size)
-        for i in range(hi - lo):
-            chunk[i] = weights[lo + i] - held[lo + i]
-        _to_bfloat16_bits(chunk_bits[:hi - lo], out_bits[lo:hi])
-        for i in range(hi - lo):
-            chunk_bits[i] = np.uint32(out_bits[lo + i]) << np.uint32(16)
-            held[lo + i] += chunk[i]
+        n = hi - lo
+        weights_part, held_part, out_part = weights[lo:hi], held[lo:hi], out_bits[lo:hi]
+        for i in range(n):
+            chunk[i] = weights_part[i] - held_part[i]
+        _to_bfloat16_bits(chunk_bits[:n], out_part)
+        for i in range(n):
+            chunk_bits[i] = np.uint32(out_part[i]) << np.uint32(16)
+        for i in range(n):
+            held_part[i] += chunk[i]
 
 
 def weights_delta_bfloat16_(weights: np.ndarray, held: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -278,10 +283,12 @@ def _add_bfloat16(target, bits):  # pragma: no cover - compiled
     as_float = widened.view(np.float32)
     for lo in range(0, target.size, _DELTA_CHUNK):
         hi = min(lo + _DELTA_CHUNK, target.size)
-        for i in range(hi - lo):
-            widened[i] = np.uint32(bits[lo + i]) << np.uint32(16)
-        for i in range(hi - lo):
-            target[lo + i] += as_float[i]
+        n = hi - lo
+        target_part, bits_part = target[lo:hi], bits[lo:hi]
+        for i in range(n):
+            widened[i] = np.uint32(bits_part[i]) << np.uint32(16)
+        for i in range(n):
+            target_part[i] += as_float[i]
 
 
 def add_bfloat16_(target: np.ndarray, delta: np.ndarray) -> np.ndarray:
