@@ -10,8 +10,9 @@ parts and the datagrams of every worker, closing the step, and framing the reply
 server: the touched blocks gathered when the reply is sparse).  ``--server-optimizer`` times
 the replies of a server that runs the optimizer instead (the update itself left out, as MXNet's
 own work): the server's ``DGT_WEIGHTS_REPLY`` payload (whole weights, or the bfloat16 step
-from the held copy) and the worker putting it in place (a copy, or the widening add).  Sockets are left out: this is the
-part of a step that dgt adds on top of moving the bytes, to compare with the measured step time.
+from the held copy) and the worker putting it in place (a copy, or the widening add).  Sockets
+are left out: this is the part of a step that dgt adds on top of moving the bytes, to compare
+with the measured step time.
 """
 from __future__ import annotations
 
@@ -240,7 +241,9 @@ def main() -> int:
           + (f"optimizer on the servers, weights replies {config.weights_reply} "
              if args.server_optimizer else "optimizer on the workers ")
           + "(the defaults; DGT_* variables change them)")
-    print(f"worker CPU per step (feedback, score, classify, frame): {worker_ms:7.1f} ms")
+    worker_work = "feedback, score, classify, frame" + (", put the reply in place"
+                                                        if args.server_optimizer else "")
+    print(f"worker CPU per step ({worker_work}): {worker_ms:7.1f} ms")
     print(f"server CPU per step (merge {args.workers} workers, close, frame the reply): "
           f"{server_ms:7.1f} ms")
     print(f"  of which a plain dense sum of {args.workers} gradients (any PS server): "

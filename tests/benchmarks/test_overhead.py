@@ -47,4 +47,3 @@ def test_delta_replies_leave_every_worker_one_bfloat16_rounding_behind():
             np.testing.assert_array_equal(worker, held)
         assert np.abs(held - steps[-1]).max() > 0  # the replies were deltas, not whole weights
         assert np.abs(held - steps[-1]).max() < 2e-5
-
