@@ -557,7 +557,7 @@ class Server:
                     payload[lo:hi] = self._values[(member, 0)]
             flags |= FLAG_WEIGHTS
             optimizer_s = time.thread_time() - optimizer_began
-            payload, is_delta = self._held.reply(key, payload, closed.merged.dtype)
+            payload, is_delta = self._held.reply(key, payload, closed.wire_dtype)
             if is_delta:
                 flags |= FLAG_DELTA
         else:

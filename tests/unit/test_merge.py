@@ -214,6 +214,24 @@ def test_bfloat16_parts_sum_in_float32_and_keep_the_exact_total():
     np.testing.assert_array_equal(closed.merged.astype(np.float32)[B:2 * B], 258)
 
 
+def test_the_wire_dtype_sum_is_cast_when_read_and_once():
+    """A server that runs the optimizer applies ``total`` and never reads ``merged``: the
+    close must not pay the cast, and a summing server that reads it twice casts once."""
+    from dgt.wire import BFLOAT16
+
+    merger = StepMerger(2)
+    for r in range(2):
+        header = Header(MsgType.PUSH, rank=r, dtype=10, key=1, step=0, n_elems=N,
+                        block_elems=B, frag_elems=700, block=1)
+        merger.add_push(header, np.array([0]), [np.full(B, r + 1.5, np.float32).astype(BFLOAT16)],
+                        0.0)
+    closed, = merger.poll(0.0)
+    assert closed.wire_dtype == BFLOAT16 and closed._merged is None
+    first = closed.merged
+    assert first is closed.merged and first.dtype == BFLOAT16
+    np.testing.assert_array_equal(first.astype(np.float32)[:B], 4.0)
+
+
 @pytest.mark.parametrize("mode", ["drop", "diff"])
 def test_batched_fragments_match_one_by_one(mode, rng):
     """add_fragments (what the server uses) == add_fragment per datagram, late ones included."""
