@@ -542,9 +542,9 @@ class Server:
         optimizer_s, optimizer_began = 0.0, time.thread_time()
         if self._optimizer is not None:
             payload = self._values[key]
-            # The sum before any cast to a 16-bit wire dtype, in the weights' own dtype.
-            grads = closed.total if closed.total.dtype == payload.dtype \
-                else closed.merged.astype(payload.dtype, copy=False)
+            # The sum before any cast to a 16-bit wire dtype, in the weights' own dtype (cast
+            # from the total directly: going through ``merged`` would cast twice).
+            grads = closed.total.astype(payload.dtype, copy=False)
             if bucket is None:
                 self._optimizer.update([closed.key], closed.part, [self._weights[key]],
                                        [grads])
