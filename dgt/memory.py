@@ -10,10 +10,12 @@ residual cost a full-size allocation and a Python loop over the ranges in ``reme
 three-array pass in ``compensate``.  On AlexNet's 20 M parameters at 40 % UDP loss (~7 000 lost fragments per
 step) the two took 63 ms per worker step on the development machine, the sparse ones 33 ms,
 most of it the one copy of the gradient that ``compensate`` makes into the worker's buffer.
+A caller that lends its own send buffer (``pushpull(..., may_overwrite=True)``, as the MXNet
+adapter does) has the owed values added there in place, without that copy.
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, NamedTuple, Optional
+from typing import Dict, Hashable, Iterable, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -38,7 +40,7 @@ class ResidualMemory:
     def compensate(self, key: Hashable, flat: np.ndarray,
                    out: Optional[np.ndarray] = None) -> np.ndarray:
         """``flat`` plus what is owed for ``key``: ``flat`` itself when nothing is owed, else a
-        new array (or ``out``, same shape and dtype as ``flat``)."""
+        new array (or ``out``, same shape and dtype as ``flat``; ``out=flat`` adds in place)."""
         owed = self._owed.pop(key, None)
         if owed is None:
             return flat
@@ -47,7 +49,8 @@ class ResidualMemory:
                              f"got a gradient of {flat.size}")
         if out is None:
             out = np.empty_like(flat)
-        np.copyto(out, flat)
+        if out is not flat:
+            np.copyto(out, flat)
         if not rows_add_(out, owed.starts, owed.stops, owed.rows):
             for start, stop, row in zip(owed.starts.tolist(), owed.stops.tolist(), owed.rows):
                 view = out[start:stop]
@@ -68,6 +71,37 @@ class ResidualMemory:
         gather_rows_(rows, sent, starts, stops)
         self._owed[key] = _Owed(starts, stops, rows, sent.size)
         return int(lengths.sum())
+
+    def absorb(self, key: Hashable, n_elems: int,
+               members: Iterable[Tuple[Hashable, int]]) -> int:
+        """Make what is owed for each ``(member, offset)`` owed for ``key`` instead, a tensor of
+        ``n_elems`` holding each member at its offset (a fusion bucket that takes over keys
+        which were pushed on their own: without this their last losses were never sent).
+        Returns how many elements moved."""
+        members = [(member, offset) for member, offset in members if member in self._owed]
+        if not members:
+            return 0
+        for member, offset in members:  # checked before anything moves: a refusal loses nothing
+            n_member = self._owed[member].n_elems
+            if offset < 0 or offset + n_member > n_elems:
+                raise ValueError(f"absorb: {n_member} elements at offset {offset} do not fit "
+                                 f"in {key!r}'s {n_elems}")
+        pieces = [(self._owed.pop(member), offset) for member, offset in members]
+        moved = sum(int((owed.stops - owed.starts).sum()) for owed, _ in pieces)
+        mine = self._owed.pop(key, None)
+        if mine is not None:
+            pieces.append((mine, 0))
+        starts = np.concatenate([owed.starts + offset for owed, offset in pieces])
+        stops = np.concatenate([owed.stops + offset for owed, offset in pieces])
+        rows = np.zeros((len(starts), max(owed.rows.shape[1] for owed, _ in pieces)),
+                        dtype=np.float32)
+        first = 0
+        for owed, _ in pieces:
+            rows[first:first + len(owed.rows), :owed.rows.shape[1]] = owed.rows
+            first += len(owed.rows)
+        order = np.argsort(starts, kind="stable")
+        self._owed[key] = _Owed(starts[order], stops[order], rows[order], n_elems)
+        return moved
 
     def owed(self, key: Hashable) -> Optional[np.ndarray]:
         """What is held for ``key`` as a dense float32 array of the part's length (zeros where

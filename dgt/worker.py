@@ -124,6 +124,8 @@ class Worker:
         self._shared_scores: Dict[tuple, np.ndarray] = {}  # (key, part) -> the last reply's sum
         self._scratches: Dict[tuple, _Scratch] = {}
         self._memory = ResidualMemory()
+        # bucket key -> (member key, offset) pairs whose residuals its first push takes over
+        self._members_owing: Dict[int, List[Tuple[int, int]]] = {}
         self._threshold = AdaptiveThreshold(config.threshold, config.threshold_min,
                                             config.adaptive_smoothing, config.adaptive)
         self._loss_reported = False
@@ -184,7 +186,8 @@ class Worker:
         return stats
 
     def pushpull(self, key: int, flat: np.ndarray, step_stats: Optional[StepStats] = None,
-                 out: Optional[np.ndarray] = None, priority: int = 0, begun: int = 1) -> Pending:
+                 out: Optional[np.ndarray] = None, priority: int = 0, begun: int = 1,
+                 may_overwrite: bool = False) -> Pending:
         """Push ``flat`` (this worker's gradient of ``key``) and get the merged result.
 
         Thread-safe.  ``step_stats`` is what :meth:`begin` returned for this push (it is
@@ -193,23 +196,33 @@ class Worker:
         given, else in an array the key's next pushpull reuses: copy it if you keep it longer.
         ``priority`` is MXNet's (higher: sent and answered sooner, see ``DGT_PRIORITY_ORDER``).
         ``begun``: how many :meth:`begin` calls with ``step_stats`` this push stands for (the
-        members of a fused bucket).
+        members of a fused bucket).  ``may_overwrite``: ``flat`` is the caller's scratch, which
+        the worker may change until the result is ready (error feedback then adds what is
+        owed in place, saving a copy of the gradient); it must be writeable.
         """
         cpu_began = time.thread_time()  # CPU only: the waits below do not count
         if step_stats is None:
             step_stats, begun = self.begin(key), 1
         try:
             self._check_usable()
-            return self._pushpull(key, self._as_flat(flat), step_stats, out, priority,
-                                  cpu_began)
+            flat = self._as_flat(flat)
+            if may_overwrite and not flat.flags.writeable:
+                raise LocalProtocolError(f"pushpull of key {key}: may_overwrite=True needs a "
+                                         "writeable array")
+            return self._pushpull(key, flat, step_stats, out, priority, cpu_began,
+                                  may_overwrite)
         finally:
             self._release(step_stats, begun)
 
     def _pushpull(self, key: int, flat: np.ndarray, step_stats: Optional[StepStats],
-                  out: Optional[np.ndarray], priority: int, cpu_began: float) -> Pending:
+                  out: Optional[np.ndarray], priority: int, cpu_began: float,
+                  may_overwrite: bool = False) -> Pending:
         plan = self._plan(key, flat)
         if plan.last is not None and not plan.last.done():
             plan.last.wait()  # steps of one key are strictly ordered
+        members = self._members_owing.pop(key, None)
+        if members:
+            self._take_over_residuals(key, plan.n_elems, members)
         if self.config.adaptive and not self._loss_reported and flat.dtype.kind == "f":
             as32 = flat.astype(np.float32, copy=False)
             norm_sq = float(np.dot(as32, as32))
@@ -239,13 +252,30 @@ class Worker:
         for part, step in zip(plan.parts, steps):
             began = time.time() if trace.enabled else 0.0
             socket_s += self._push_part(key, part, step, flat[part.start:part.stop], pending,
-                                        step_stats, k, priority)
+                                        step_stats, k, priority, may_overwrite)
             if trace.enabled:  # stamped when it began: the server may merge it before now
                 trace.record("push", key, part.index, step, self.rank, t=began,
                              handed=time.time(),
                              round=step_stats.step if step_stats is not None else -1)
         self._add_cpu(step_stats, time.thread_time() - cpu_began - socket_s)
         return pending
+
+    def _take_over_residuals(self, bucket_key: int, n_elems: int,
+                             members: List[Tuple[int, int]]) -> None:
+        """Before a bucket's first push: what its members owe from their pushes on their own
+        becomes the bucket's to send (error feedback), once those pushes were answered."""
+        pairs = []
+        for member, offset in members:
+            plan = self._keys.get(member)
+            if plan is None:
+                continue  # never pushed on its own: owes nothing
+            if plan.last is not None and not plan.last.done():
+                plan.last.wait()
+            pairs.extend(((member, part.index), offset + part.start) for part in plan.parts)
+        moved = self._memory.absorb((bucket_key, 0), n_elems, pairs)
+        if moved:
+            logger.debug("bucket %d takes over %d owed elements of its members", bucket_key,
+                         moved)
 
     def server_of(self, key: int, n_elems: int) -> Optional[int]:
         """The server that owns all of ``key`` (a tensor of ``n_elems``), or None when the
@@ -280,6 +310,9 @@ class Worker:
         total = int(table[:, 1].sum())
         with self._plan_lock:
             self._keys[bucket_key] = _KeyPlan(total, dtype, [Part(server, 0, 0, total)], [0])
+        if self.config.error_feedback:
+            offsets = np.concatenate([[0], np.cumsum(table[:, 1])[:-1]])
+            self._members_owing[bucket_key] = list(zip(table[:, 0].tolist(), offsets.tolist()))
         serial = next(self._serial)
         pending = Pending(f"definition of bucket {bucket_key}", None, 1, self.config.timeout_s)
         self._register(("ack", 0, 0, serial), _Inflight(pending, Part(server, 0, 0, 0),
@@ -394,7 +427,7 @@ class Worker:
     # == push path ============================================================================
     def _push_part(self, key: int, part: Part, step: int, values: np.ndarray,
                    pending: Pending, stats: Optional[StepStats], k: float,
-                   priority: int) -> float:
+                   priority: int, may_overwrite: bool = False) -> float:
         """Queue one part's push; returns the CPU seconds spent in datagram socket calls."""
         cfg = self.config
         wire_dtype = self._wire_dtype(values.dtype)
@@ -422,7 +455,8 @@ class Worker:
             self._count(stats, 0, blocks.n_blocks, payload.nbytes)
             return 0.0
         if cfg.error_feedback:
-            values = self._memory.compensate(ident, values, out=scratch.compensated)
+            values = self._memory.compensate(
+                ident, values, out=values if may_overwrite else scratch.compensated)
             inflight.compensated = values
         scores = score_blocks(self._scores, ident, blocks, values)
         ranking = scores

@@ -9,8 +9,9 @@ Per step and bucket (a *round*), in program order:
 * at every member's pushpull: an engine copy of its gradient into its slice of the send
   buffer, and engine copies of its slice of the receive buffer into its outputs, which
   therefore wait for the reply;
-* at the last member's pushpull (the round is *sealed*): one asynchronous operator that reads
-  the whole send buffer after all the copies into it and pushes it.
+* at the last member's pushpull (the round is *sealed*): one asynchronous operator that takes
+  the whole send buffer after all the copies into it and pushes it (declared as writing it:
+  error feedback adds what is owed there in place).
 
 A round whose last member never comes (the keys pushed per step changed) is sealed by the next
 call of the store: its members so far travel one by one, and fusion stops.  If the missing keys
@@ -161,13 +162,13 @@ class Fuser:
     # -- sealing ------------------------------------------------------------------------------
     def _seal(self, round_: _Round) -> None:
         push_async(lambda completion: self._send_round(round_, completion),
-                   reads=[round_.buffers.send], writes=[], priority=round_.priority,
+                   reads=[], writes=[round_.buffers.send], priority=round_.priority,
                    name="dgt_fused_push")
 
     def _send_round(self, round_: _Round, completion: Completion) -> None:
         """Engine operator: push the round (whole, or member by member when it is partial)
-        and finish once the servers answered, which keeps the send buffer unchanged until
-        then."""
+        and finish once the servers answered, which keeps every other access off the send
+        buffer until then."""
         bucket, buffers = round_.bucket, round_.buffers
         complete = len(round_.collected) == len(bucket.members)
         result = np.empty(bucket.n_elems, dtype=buffers.send_host.dtype)
@@ -177,13 +178,14 @@ class Fuser:
                 # one step, so their begin() calls returned the same statistics.
                 pendings = [self._worker.pushpull(bucket.key, buffers.send_host, round_.stats,
                                                   out=result, priority=round_.priority,
-                                                  begun=len(round_.collected))]
+                                                  begun=len(round_.collected),
+                                                  may_overwrite=True)]
             else:  # only the members that came are copied out of this round
                 offsets = bucket.offsets
                 pendings = [self._worker.pushpull(
                     bucket.members[i].key, buffers.send_host[offsets[i]:offsets[i + 1]],
                     round_.stats, out=result[offsets[i]:offsets[i + 1]],
-                    priority=round_.priority)
+                    priority=round_.priority, may_overwrite=True)
                     for i in round_.collected]
         except Exception as exc:  # noqa: BLE001 - raised by the next call of the store
             self._remember_error(exc)

@@ -124,7 +124,7 @@ class DGT(KVStoreBase):
             sum_into(values, buffers.send)
             stats = self._worker.begin(key_id)  # program order, for the step statistics
             push_async(functools.partial(self._exchange, key_id, buffers, stats, priority),
-                       reads=[buffers.send], writes=[buffers.recv], priority=priority)
+                       reads=[], writes=[buffers.send, buffers.recv], priority=priority)
             for target in outs:
                 buffers.recv.copyto(target)
 
@@ -133,8 +133,10 @@ class DGT(KVStoreBase):
         """The engine operator of one pushpull: hand the gradient to the worker and complete
         when the reply is in ``buffers.recv`` (on the I/O thread, or at the timeout)."""
         try:
+            # The send buffer is ours and declared written: error feedback may add in place.
             pending = self._worker.pushpull(key_id, buffers.send_host, stats,
-                                            priority=priority)  # into buffers.recv_host
+                                            priority=priority,
+                                            may_overwrite=True)  # into buffers.recv_host
         except Exception as exc:  # noqa: BLE001 - raised by the next kvstore call
             self._remember_error(exc)
             completion()

@@ -101,7 +101,8 @@ def test_seeded_loss_merges_exactly_the_surviving_blocks(make_job, mode, feedbac
     assert servers[0].server.merger.counters.get("merged", 0) > 0
 
 
-def test_error_feedback_loses_nothing_for_good(make_job):
+@pytest.mark.parametrize("may_overwrite", [False, True])
+def test_error_feedback_loses_nothing_for_good(make_job, may_overwrite):
     config, _ = make_job(3, threshold=0.3, threshold_min=0.1, adaptive=False, udp_drop=0.3,
                          seed=3, grace_ms=50, error_feedback=True)
     n, steps = 30_000, 6
@@ -113,7 +114,12 @@ def test_error_feedback_loses_nothing_for_good(make_job):
         for _ in range(steps):
             grad = rng.integers(-20, 21, n).astype(np.float32)
             pushed += grad
-            merged += worker.pushpull(0, grad).wait()
+            owed = worker._memory.owed((0, 0))
+            lent = grad.copy()
+            merged += worker.pushpull(0, lent, may_overwrite=may_overwrite).wait()
+            # Lent, the buffer ends as what was pushed: the gradient plus what was owed.
+            expected = grad + owed if may_overwrite and owed is not None else grad
+            np.testing.assert_array_equal(lent, expected)
         residual = worker._memory.owed((0, 0))
         return pushed, merged, np.zeros(n) if residual is None else residual
 

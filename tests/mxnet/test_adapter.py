@@ -106,3 +106,61 @@ def test_server_side_update_survives_mkldnn_weights(store):
     after = {n: p.data().asnumpy() for n, p in net.collect_params().items()}
     assert all(np.isfinite(a).all() for a in after.values())
     assert any(not np.array_equal(before[n], after[n]) for n in after)
+
+
+
+def _owed_per_key(kv, sizes):
+    """Everything the store's worker owes, laid out as the concatenation of the keys 0, 1, ...
+    of ``sizes`` (a fused bucket's residual covers its members, in order)."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    owed = np.zeros(offsets[-1])
+    buckets = {b.key: b for b in kv._planner.buckets} if kv._planner.active else {}
+    for ident in list(kv._worker._memory._owed):
+        key, residual = ident[0], kv._worker._memory.owed(ident)
+        if key in buckets:
+            first = buckets[key].members[0].key
+            owed[offsets[first]:offsets[first] + residual.size] += residual
+        else:
+            owed[offsets[key]:offsets[key + 1]] += residual
+    return owed
+
+
+@pytest.mark.parametrize("fusion_elems", [0, 1 << 16])
+def test_error_feedback_through_the_store_loses_nothing_and_adds_in_its_send_buffer(
+        make_job, fusion_elems):
+    """Under seeded loss with error feedback, what the store's pushpulls returned plus what the
+    worker still owes is exactly what was pushed, with and without fusion (where the bucket
+    takes over what its members owed from the first step, pushed on their own); the owed
+    values are added in the store's own send buffer (no copy of the gradient), which ends as
+    the compensated gradient."""
+    settings = dict(threshold=0.3, threshold_min=0.1, adaptive=False, grace_ms=2000,
+                    udp_drop=0.3, seed=5, error_feedback=True, receive_mode="drop",
+                    block_elems=256)
+    config, _ = make_job(1, **settings)
+    dgt.configure(**settings, server_addrs=config.server_addrs, num_workers=1,
+                  job_id=config.job_id, timeout_s=config.timeout_s, wire_dtype="native",
+                  fusion_elems=fusion_elems, rank=0)
+    kv = mx.kv.create("dgt")
+    try:
+        sizes, rng = (20_000, 3_000), np.random.default_rng(3)
+        pushed, merged = np.zeros(sum(sizes)), np.zeros(sum(sizes))
+        for step in range(5):
+            grads = [rng.integers(-20, 21, n).astype(np.float32) for n in sizes]
+            owed = _owed_per_key(kv, sizes)
+            outs = [mx.nd.array(g) for g in grads]
+            kv.pushpull([0, 1], outs)
+            merged += np.concatenate([o.asnumpy() for o in outs])
+            pushed += np.concatenate(grads)
+            if not fusion_elems and step:
+                sent = np.concatenate([kv._buffers[k].send_host for k in (0, 1)])
+                np.testing.assert_array_equal(sent, np.concatenate(grads) + owed)
+        residual = _owed_per_key(kv, sizes)
+        assert np.abs(residual).sum() > 0, "the seeded loss should leave something owed"
+        np.testing.assert_array_equal(merged + residual, pushed)
+        assert kv.fused_keys == (2 if fusion_elems else 0)
+        if fusion_elems:  # the members' losses of the first (learning) step went out in the bucket
+            owing = {ident[0] for ident in kv._worker._memory._owed}
+            assert owing == {bucket.key for bucket in kv._planner.buckets}, owing
+    finally:
+        kv.close()
+        dgt._overrides.clear()

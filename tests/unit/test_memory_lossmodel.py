@@ -20,11 +20,13 @@ def test_residual_memory_carries_exactly_the_missing_values():
     np.testing.assert_array_equal(out, np.arange(6) + 1)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_residual_memory_against_a_dense_ledger_over_steps(dtype):
+def test_residual_memory_against_a_dense_ledger_over_steps(dtype, in_place):
     """Seeded lost fragments over several steps: what compensate returns is the gradient plus
     a dense numpy residual kept by hand, and owed() is that residual, so at every step
-    ``sum(merged) + owed == sum(pushed)`` (exact: integer values)."""
+    ``sum(merged) + owed == sum(pushed)`` (exact: integer values).  ``in_place``: the owed
+    values are added into the gradient itself (``out=grad``)."""
     rng = np.random.default_rng(11)
     layout = FragmentLayout(BlockLayout(10_000, 1024), 300)  # short last fragments and block
     memory, residual = ResidualMemory(), np.zeros(10_000)
@@ -33,8 +35,11 @@ def test_residual_memory_against_a_dense_ledger_over_steps(dtype):
     for step in range(6):
         grad = rng.integers(-8, 9, 10_000).astype(dtype)
         pushed_total += grad
-        sent = memory.compensate("k", grad, out=out)
-        np.testing.assert_array_equal(sent, (grad + residual).astype(dtype))
+        expected = (grad + residual).astype(dtype)
+        sent = memory.compensate("k", grad, out=grad if in_place else out)
+        np.testing.assert_array_equal(sent, expected)
+        if in_place and step:
+            assert sent is grad
         lost = (rng.random(layout.n_slots) < 0.3) & layout.valid_slots
         starts, stops = layout.slot_ranges(np.flatnonzero(lost))
         mask = layout.element_mask(lost)  # the lost elements, computed another way
@@ -62,3 +67,21 @@ def test_dropped_slots_is_deterministic_and_order_free():
     assert (a != dropped_slots(0.2, 8, 1, 3, 0, 5, slots)).any()  # new seed, new draw
     assert not dropped_slots(0.0, 7, 1, 3, 0, 5, slots).any()
     assert dropped_slots(1.0, 7, 1, 3, 0, 5, slots).all()
+
+
+def test_absorb_makes_the_members_residuals_the_buckets_at_their_offsets():
+    memory = ResidualMemory()
+    a, b = np.arange(1, 7, dtype=np.float32), np.arange(10, 14, dtype=np.float32)
+    memory.remember("a", a, np.array([0, 4]), np.array([2, 6]))   # owes a[0:2], a[4:6]
+    memory.remember("b", b, np.array([1]), np.array([4]))          # owes b[1:4]
+    memory.remember("bucket", np.full(10, 7, np.float32), np.array([2]), np.array([3]))
+    assert memory.absorb("bucket", 10, [("b", 6), ("a", 0), ("never", 3)]) == 7
+    assert memory.owed("a") is None and memory.owed("b") is None
+    np.testing.assert_array_equal(memory.owed("bucket"), [1, 2, 7, 0, 5, 6, 0, 11, 12, 13])
+    nxt = memory.compensate("bucket", np.ones(10, np.float32))
+    np.testing.assert_array_equal(nxt, [2, 3, 8, 1, 6, 7, 1, 12, 13, 14])
+    assert memory.absorb("bucket", 10, [("a", 0)]) == 0  # nothing left to move
+    memory.remember("c", a, np.array([0]), np.array([6]))
+    with pytest.raises(ValueError, match="6 elements at offset 6 do not fit"):
+        memory.absorb("bucket", 10, [("c", 6)])
+    np.testing.assert_array_equal(memory.owed("c"), a)  # refused: still owed where it was
