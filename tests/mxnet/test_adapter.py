@@ -108,7 +108,6 @@ def test_server_side_update_survives_mkldnn_weights(store):
     assert any(not np.array_equal(before[n], after[n]) for n in after)
 
 
-
 def _owed_per_key(kv, sizes):
     """Everything the store's worker owes, laid out as the concatenation of the keys 0, 1, ...
     of ``sizes`` (a fused bucket's residual covers its members, in order)."""
