@@ -103,6 +103,47 @@ class ResidualMemory:
         self._owed[key] = _Owed(starts[order], stops[order], rows[order], n_elems)
         return moved
 
+    def split(self, key: Hashable, members: Iterable[Tuple[Hashable, int, int]]) -> int:
+        """The inverse of :meth:`absorb`: what is owed for ``key`` becomes owed for each
+        ``(member, offset, n_elems)`` slice of it (a fusion bucket whose keys travel on their
+        own again); a range that crosses two members is cut between them, and what a member
+        already owes is kept and added to.  Returns how many elements moved."""
+        owed = self._owed.get(key)
+        if owed is None:
+            return 0
+        members = list(members)
+        for member, offset, n_member in members:
+            if offset < 0 or n_member < 0 or offset + n_member > owed.n_elems:
+                raise ValueError(f"split: {n_member} elements at offset {offset} do not fit "
+                                 f"in {key!r}'s {owed.n_elems}")
+        del self._owed[key]
+        # Once, when fusion stops: dense is simplest, and the bucket is one server's share.
+        dense = np.zeros(owed.n_elems, dtype=np.float32)
+        rows_add_(dense, owed.starts, owed.stops, owed.rows)
+        moved = 0
+        for member, offset, n_member in members:
+            stop = offset + n_member
+            inside = (owed.starts < stop) & (owed.stops > offset)
+            if not n_member or not inside.any():
+                continue
+            starts = np.maximum(owed.starts[inside], offset) - offset
+            stops = np.minimum(owed.stops[inside], stop) - offset
+            moved += int((stops - starts).sum())
+            values = dense[offset:stop]
+            mine = self._owed.pop(member, None)
+            if mine is not None:
+                if mine.n_elems != n_member:
+                    raise ValueError(f"split: {member!r} owes values for {mine.n_elems} "
+                                     f"elements, its slice of {key!r} has {n_member}")
+                values = values.copy()
+                rows_add_(values, mine.starts, mine.stops, mine.rows)
+                starts, stops = _union(starts, stops, mine.starts, mine.stops)
+            self.remember(member, values, starts, stops)
+        return moved
+
+    def owes(self, key: Hashable) -> bool:
+        return key in self._owed
+
     def owed(self, key: Hashable) -> Optional[np.ndarray]:
         """What is held for ``key`` as a dense float32 array of the part's length (zeros where
         nothing is owed), or None: for tests and inspection, not the push path."""
@@ -112,3 +153,18 @@ class ResidualMemory:
         dense = np.zeros(owed.n_elems, dtype=np.float32)
         rows_add_(dense, owed.starts, owed.stops, owed.rows)
         return dense
+
+
+def _union(starts_a, stops_a, starts_b, stops_b) -> Tuple[np.ndarray, np.ndarray]:
+    """The non-overlapping ranges that cover two sets of ranges."""
+    starts = np.concatenate([starts_a, starts_b])
+    stops = np.concatenate([stops_a, stops_b])
+    order = np.argsort(starts, kind="stable")
+    merged_starts, merged_stops = [], []
+    for start, stop in zip(starts[order].tolist(), stops[order].tolist()):
+        if merged_stops and start <= merged_stops[-1]:
+            merged_stops[-1] = max(merged_stops[-1], stop)
+        else:
+            merged_starts.append(start)
+            merged_stops.append(stop)
+    return np.array(merged_starts, dtype=np.int64), np.array(merged_stops, dtype=np.int64)

@@ -87,6 +87,7 @@ class _KeyPlan:
     steps: List[int] = field(default_factory=list)  # next step number per part
     last: Optional[Pending] = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    order: threading.Lock = field(default_factory=threading.Lock)  # see _pushpull
     result: Optional[np.ndarray] = None  # reply buffer, reused every step
     # With a server-side optimizer ``result`` also holds the weights the next delta reply
     # (wire.FLAG_DELTA) applies to: part index -> the step of the reply it holds.
@@ -124,8 +125,11 @@ class Worker:
         self._shared_scores: Dict[tuple, np.ndarray] = {}  # (key, part) -> the last reply's sum
         self._scratches: Dict[tuple, _Scratch] = {}
         self._memory = ResidualMemory()
-        # bucket key -> (member key, offset) pairs whose residuals its first push takes over
-        self._members_owing: Dict[int, List[Tuple[int, int]]] = {}
+        # Error feedback across fusion (a bucket and its members owe in separate ledgers):
+        # bucket key -> (member key, offset, n_elems), and member key -> bucket key.
+        self._bucket_members: Dict[int, List[Tuple[int, int, int]]] = {}
+        self._bucket_of: Dict[int, int] = {}
+        self._ledger_lock = threading.Lock()
         self._threshold = AdaptiveThreshold(config.threshold, config.threshold_min,
                                             config.adaptive_smoothing, config.adaptive)
         self._loss_reported = False
@@ -218,16 +222,6 @@ class Worker:
                   out: Optional[np.ndarray], priority: int, cpu_began: float,
                   may_overwrite: bool = False) -> Pending:
         plan = self._plan(key, flat)
-        if plan.last is not None and not plan.last.done():
-            plan.last.wait()  # steps of one key are strictly ordered
-        members = self._members_owing.pop(key, None)
-        if members:
-            self._take_over_residuals(key, plan.n_elems, members)
-        if self.config.adaptive and not self._loss_reported and flat.dtype.kind == "f":
-            as32 = flat.astype(np.float32, copy=False)
-            norm_sq = float(np.dot(as32, as32))
-            with self._round_lock:
-                self._grad_sq += norm_sq
         if out is not None:
             if out.shape != (plan.n_elems,) or out.dtype != plan.dtype:
                 raise LocalProtocolError(f"pushpull of key {key}: `out` must be flat "
@@ -239,12 +233,26 @@ class Worker:
             result = plan.result
         pending = Pending(f"pushpull of key {key}", result, len(plan.parts),
                           self.config.timeout_s)
-        with plan.lock:
-            steps = []
-            for part in plan.parts:
-                steps.append(plan.steps[part.index])
-                plan.steps[part.index] += 1
-            plan.last = pending
+        # Steps of one key are strictly ordered, also when two threads push it (a fused
+        # round sealed member by member and the member's next push on its own): waiting for
+        # the last push and taking the next step number are one move.
+        with plan.order:
+            if plan.last is not None and not plan.last.done():
+                plan.last.wait()
+            if self._bucket_members:
+                with self._ledger_lock:  # a member's push checks while another one splits
+                    self._move_residuals(key, plan.n_elems)
+            with plan.lock:
+                steps = []
+                for part in plan.parts:
+                    steps.append(plan.steps[part.index])
+                    plan.steps[part.index] += 1
+                plan.last = pending
+        if self.config.adaptive and not self._loss_reported and flat.dtype.kind == "f":
+            as32 = flat.astype(np.float32, copy=False)
+            norm_sq = float(np.dot(as32, as32))
+            with self._round_lock:
+                self._grad_sq += norm_sq
         k = step_stats.k if step_stats is not None else self._threshold.k
         priority = clamp_priority(priority)
         socket_s = 0.0
@@ -260,22 +268,37 @@ class Worker:
         self._add_cpu(step_stats, time.thread_time() - cpu_began - socket_s)
         return pending
 
-    def _take_over_residuals(self, bucket_key: int, n_elems: int,
-                             members: List[Tuple[int, int]]) -> None:
-        """Before a bucket's first push: what its members owe from their pushes on their own
-        becomes the bucket's to send (error feedback), once those pushes were answered."""
-        pairs = []
-        for member, offset in members:
-            plan = self._keys.get(member)
-            if plan is None:
-                continue  # never pushed on its own: owes nothing
-            if plan.last is not None and not plan.last.done():
-                plan.last.wait()
-            pairs.extend(((member, part.index), offset + part.start) for part in plan.parts)
-        moved = self._memory.absorb((bucket_key, 0), n_elems, pairs)
-        if moved:
-            logger.debug("bucket %d takes over %d owed elements of its members", bucket_key,
-                         moved)
+    def _move_residuals(self, key: int, n_elems: int) -> None:
+        """Error feedback across fusion, before ``key``'s push: a bucket takes over what its
+        members owe from their pushes on their own (its first push, after the unfused first
+        step), and a member pushed on its own again (fusion stopped) takes back its slice of
+        what the bucket owes; either once the other side's last push was answered, so its
+        losses are in the ledger."""
+        members = self._bucket_members.get(key)
+        if members is not None:
+            owing = [(member, offset) for member, offset, _ in members
+                     if self._answered(member) and self._memory.owes((member, 0))]
+            if owing:  # a bucket's members are one server's whole keys: one part each
+                moved = self._memory.absorb((key, 0), n_elems,
+                                            [((member, 0), offset) for member, offset in owing])
+                logger.debug("bucket %d takes over %d owed elements of its members", key,
+                             moved)
+            return
+        bucket = self._bucket_of.get(key)
+        if bucket is not None and self._answered(bucket) and self._memory.owes((bucket, 0)):
+            moved = self._memory.split((bucket, 0), [((member, 0), offset, n)
+                                                     for member, offset, n
+                                                     in self._bucket_members[bucket]])
+            logger.debug("bucket %d's members take back %d owed elements", bucket, moved)
+
+    def _answered(self, key: int) -> bool:
+        """Waits for ``key``'s last push to be answered; False if it was never pushed."""
+        plan = self._keys.get(key)
+        if plan is None:
+            return False
+        if plan.last is not None and not plan.last.done():
+            plan.last.wait()
+        return True
 
     def server_of(self, key: int, n_elems: int) -> Optional[int]:
         """The server that owns all of ``key`` (a tensor of ``n_elems``), or None when the
@@ -312,7 +335,9 @@ class Worker:
             self._keys[bucket_key] = _KeyPlan(total, dtype, [Part(server, 0, 0, total)], [0])
         if self.config.error_feedback:
             offsets = np.concatenate([[0], np.cumsum(table[:, 1])[:-1]])
-            self._members_owing[bucket_key] = list(zip(table[:, 0].tolist(), offsets.tolist()))
+            self._bucket_members[bucket_key] = list(zip(table[:, 0].tolist(), offsets.tolist(),
+                                                        table[:, 1].tolist()))
+            self._bucket_of.update((member, bucket_key) for member in table[:, 0].tolist())
         serial = next(self._serial)
         pending = Pending(f"definition of bucket {bucket_key}", None, 1, self.config.timeout_s)
         self._register(("ack", 0, 0, serial), _Inflight(pending, Part(server, 0, 0, 0),

@@ -113,7 +113,7 @@ def _owed_per_key(kv, sizes):
     of ``sizes`` (a fused bucket's residual covers its members, in order)."""
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     owed = np.zeros(offsets[-1])
-    buckets = {b.key: b for b in kv._planner.buckets} if kv._planner.active else {}
+    buckets = {b.key: b for b in kv._planner.buckets}  # kept when fusion stops
     for ident in list(kv._worker._memory._owed):
         key, residual = ident[0], kv._worker._memory.owed(ident)
         if key in buckets:
@@ -122,6 +122,58 @@ def _owed_per_key(kv, sizes):
         else:
             owed[offsets[key]:offsets[key + 1]] += residual
     return owed
+
+
+@pytest.mark.parametrize("break_by", ["reorder", "partial_round"])
+def test_error_feedback_hands_the_buckets_residual_back_when_fusion_stops(make_job, break_by):
+    """Fused steps under seeded loss leave the bucket owing; when fusion stops (the keys come
+    in another order, or a round is sealed with one member) the members, pushed on their own
+    again, take back their slices of it: nothing stays owed under a key no longer pushed, and
+    what came back plus what is owed is exactly what was pushed."""
+    settings = dict(threshold=0.3, threshold_min=0.1, adaptive=False, grace_ms=300,
+                    udp_drop=0.3, seed=5, error_feedback=True, receive_mode="drop",
+                    block_elems=256)
+    config, _ = make_job(1, **settings)
+    dgt.configure(**settings, server_addrs=config.server_addrs, num_workers=1,
+                  job_id=config.job_id, timeout_s=config.timeout_s, wire_dtype="native",
+                  fusion_elems=1 << 16, rank=0)
+    kv = mx.kv.create("dgt")
+    try:
+        sizes, rng = (20_000, 3_000), np.random.default_rng(4)
+        pushed, merged = np.zeros(sum(sizes)), np.zeros(sum(sizes))
+
+        def step(keys):
+            grads = {k: rng.integers(-20, 21, sizes[k]).astype(np.float32) for k in keys}
+            outs = [mx.nd.array(grads[k]) for k in keys]
+            kv.pushpull(list(keys), outs)
+            return grads, outs
+
+        def account(grads, outs):
+            for (k, g), out in zip(grads.items(), outs):
+                first = sum(sizes[:k])
+                pushed[first:first + sizes[k]] += g
+                merged[first:first + sizes[k]] += out.asnumpy()
+
+        for _ in range(3):
+            account(*step((0, 1)))
+        bucket_keys = {bucket.key for bucket in kv._planner.buckets}
+        assert kv.fused_keys == 2
+        assert {ident[0] for ident in kv._worker._memory._owed} == bucket_keys
+        if break_by == "reorder":
+            account(*step((1, 0)))
+        else:  # key 0 alone opens a round; the next step's key 0 seals it with one member
+            alone = step((0,))
+            account(*step((0, 1)))
+            account(*alone)
+        assert kv.fused_keys == 0
+        for _ in range(2):
+            account(*step((0, 1)))
+        owing = {ident[0] for ident in kv._worker._memory._owed}
+        assert owing and not owing & bucket_keys, owing
+        np.testing.assert_array_equal(merged + _owed_per_key(kv, sizes), pushed)
+    finally:
+        kv.close()
+        dgt._overrides.clear()
 
 
 @pytest.mark.parametrize("fusion_elems", [0, 1 << 16])

@@ -85,3 +85,22 @@ def test_absorb_makes_the_members_residuals_the_buckets_at_their_offsets():
     with pytest.raises(ValueError, match="6 elements at offset 6 do not fit"):
         memory.absorb("bucket", 10, [("c", 6)])
     np.testing.assert_array_equal(memory.owed("c"), a)  # refused: still owed where it was
+
+
+def test_split_gives_each_member_its_slice_of_the_buckets_residual():
+    memory = ResidualMemory()
+    bucket = np.arange(1, 11, dtype=np.float32)
+    memory.remember("bucket", bucket, np.array([1, 5]), np.array([3, 9]))  # 2 3 | 6 7 8 9
+    memory.remember("b", np.full(4, 100, np.float32), np.array([3]), np.array([4]))
+    # a: [0, 6), b: [6, 10); the range [5, 9) crosses from a into b and is cut there
+    assert memory.split("bucket", [("a", 0, 6), ("b", 6, 4), ("nothing", 6, 0)]) == 6
+    assert not memory.owes("bucket") and not memory.owes("nothing")
+    np.testing.assert_array_equal(memory.owed("a"), [0, 2, 3, 0, 0, 6])
+    np.testing.assert_array_equal(memory.owed("b"), [7, 8, 9, 100])  # its own kept, added to
+    assert memory.split("bucket", [("a", 0, 6)]) == 0  # nothing left to move
+    memory.remember("bucket", bucket, np.array([0]), np.array([10]))
+    with pytest.raises(ValueError, match="4 elements at offset 8 do not fit"):
+        memory.split("bucket", [("a", 0, 6), ("c", 8, 4)])
+    np.testing.assert_array_equal(memory.owed("bucket"), bucket)  # refused: still owed there
+    np.testing.assert_array_equal(memory.owed("a"), [0, 2, 3, 0, 0, 6])
+
