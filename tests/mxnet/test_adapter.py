@@ -124,20 +124,25 @@ def _owed_per_key(kv, sizes):
     return owed
 
 
+def _lossy_store_with_error_feedback(make_job, grace_ms, fusion_elems):
+    """A one-worker store with error feedback under 30 % seeded UDP loss."""
+    settings = dict(threshold=0.3, threshold_min=0.1, adaptive=False, grace_ms=grace_ms,
+                    udp_drop=0.3, seed=5, error_feedback=True, receive_mode="drop",
+                    block_elems=256)
+    config, _ = make_job(1, **settings)
+    dgt.configure(**settings, server_addrs=config.server_addrs, num_workers=1,
+                  job_id=config.job_id, timeout_s=config.timeout_s, wire_dtype="native",
+                  fusion_elems=fusion_elems, rank=0)
+    return mx.kv.create("dgt")
+
+
 @pytest.mark.parametrize("break_by", ["reorder", "partial_round"])
 def test_error_feedback_hands_the_buckets_residual_back_when_fusion_stops(make_job, break_by):
     """Fused steps under seeded loss leave the bucket owing; when fusion stops (the keys come
     in another order, or a round is sealed with one member) the members, pushed on their own
     again, take back their slices of it: nothing stays owed under a key no longer pushed, and
     what came back plus what is owed is exactly what was pushed."""
-    settings = dict(threshold=0.3, threshold_min=0.1, adaptive=False, grace_ms=300,
-                    udp_drop=0.3, seed=5, error_feedback=True, receive_mode="drop",
-                    block_elems=256)
-    config, _ = make_job(1, **settings)
-    dgt.configure(**settings, server_addrs=config.server_addrs, num_workers=1,
-                  job_id=config.job_id, timeout_s=config.timeout_s, wire_dtype="native",
-                  fusion_elems=1 << 16, rank=0)
-    kv = mx.kv.create("dgt")
+    kv = _lossy_store_with_error_feedback(make_job, grace_ms=300, fusion_elems=1 << 16)
     try:
         sizes, rng = (20_000, 3_000), np.random.default_rng(4)
         pushed, merged = np.zeros(sum(sizes)), np.zeros(sum(sizes))
@@ -184,14 +189,7 @@ def test_error_feedback_through_the_store_loses_nothing_and_adds_in_its_send_buf
     takes over what its members owed from the first step, pushed on their own); the owed
     values are added in the store's own send buffer (no copy of the gradient), which ends as
     the compensated gradient."""
-    settings = dict(threshold=0.3, threshold_min=0.1, adaptive=False, grace_ms=2000,
-                    udp_drop=0.3, seed=5, error_feedback=True, receive_mode="drop",
-                    block_elems=256)
-    config, _ = make_job(1, **settings)
-    dgt.configure(**settings, server_addrs=config.server_addrs, num_workers=1,
-                  job_id=config.job_id, timeout_s=config.timeout_s, wire_dtype="native",
-                  fusion_elems=fusion_elems, rank=0)
-    kv = mx.kv.create("dgt")
+    kv = _lossy_store_with_error_feedback(make_job, grace_ms=2000, fusion_elems=fusion_elems)
     try:
         sizes, rng = (20_000, 3_000), np.random.default_rng(3)
         pushed, merged = np.zeros(sum(sizes)), np.zeros(sum(sizes))
