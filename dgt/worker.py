@@ -86,8 +86,7 @@ class _KeyPlan:
     parts: List[Part]
     steps: List[int] = field(default_factory=list)  # next step number per part
     last: Optional[Pending] = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    order: threading.Lock = field(default_factory=threading.Lock)  # see _pushpull
+    lock: threading.Lock = field(default_factory=threading.Lock)  # see _pushpull
     result: Optional[np.ndarray] = None  # reply buffer, reused every step
     # With a server-side optimizer ``result`` also holds the weights the next delta reply
     # (wire.FLAG_DELTA) applies to: part index -> the step of the reply it holds.
@@ -236,18 +235,17 @@ class Worker:
         # Steps of one key are strictly ordered, also when two threads push it (a fused
         # round sealed member by member and the member's next push on its own): waiting for
         # the last push and taking the next step number are one move.
-        with plan.order:
+        with plan.lock:
             if plan.last is not None and not plan.last.done():
                 plan.last.wait()
             if self._bucket_members:
                 with self._ledger_lock:  # a member's push checks while another one splits
                     self._move_residuals(key, plan.n_elems)
-            with plan.lock:
-                steps = []
-                for part in plan.parts:
-                    steps.append(plan.steps[part.index])
-                    plan.steps[part.index] += 1
-                plan.last = pending
+            steps = []
+            for part in plan.parts:
+                steps.append(plan.steps[part.index])
+                plan.steps[part.index] += 1
+            plan.last = pending
         if self.config.adaptive and not self._loss_reported and flat.dtype.kind == "f":
             as32 = flat.astype(np.float32, copy=False)
             norm_sq = float(np.dot(as32, as32))

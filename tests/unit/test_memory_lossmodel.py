@@ -103,4 +103,3 @@ def test_split_gives_each_member_its_slice_of_the_buckets_residual():
         memory.split("bucket", [("a", 0, 6), ("c", 8, 4)])
     np.testing.assert_array_equal(memory.owed("bucket"), bucket)  # refused: still owed there
     np.testing.assert_array_equal(memory.owed("a"), [0, 2, 3, 0, 0, 6])
-
