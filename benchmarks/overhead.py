@@ -29,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dgt.config import Config  # noqa: E402
 from dgt.kernels import add_bfloat16_, cast  # noqa: E402
 from dgt.memory import ResidualMemory  # noqa: E402
-from dgt.merge import StepMerger  # noqa: E402
+from dgt.merge import StepMerger, merge_datagram_batch  # noqa: E402
 from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_parts  # noqa: E402
 from dgt.policy import assign_channels  # noqa: E402
 from dgt.scoring import ContributionState, score_blocks  # noqa: E402
-from dgt.wire import (BFLOAT16, Header, MsgType, chunk_elems, dtype_code,  # noqa: E402
-                      frame_datagrams, sum_reply_frames)
+from dgt.wire import (BFLOAT16, HEADER_BYTES, Header, MsgType, chunk_elems,  # noqa: E402
+                      dtype_code, frame_datagrams, sum_reply_frames)
 from dgt.weights import HeldWeights  # noqa: E402
 
 
@@ -86,7 +86,7 @@ class WeightsReplies:
 
 
 def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0.0, rng=None,
-             run_datagrams=60, replies=None):
+             batch_datagrams=60, replies=None):
     worker_s = server_s = 0.0
     # DGT_WIRE_DTYPE=bfloat16: what travels is rounded on the way (timed with the worker).
     wire = BFLOAT16 if config.wire_dtype == "bfloat16" else np.dtype(np.float32)
@@ -121,27 +121,19 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 base = Header(MsgType.DATA, rank=rank, dtype=code, key=key, part=part.index,
                               step=step, n_elems=part.n_elems, block_elems=config.block_elems,
                               frag_elems=fe)
-                frame_datagrams(base, layout, compensated, channels, slots, wire)
-                pushes.append((reliable, payload, compensated, slots))
+                datagrams = frame_datagrams(base, layout, compensated, channels, slots, wire)
+                pushes.append((reliable, payload, compensated, slots, datagrams))
             worker_s += (time.perf_counter() - began) / rank_count
-            # What the server receives: the datagrams' payloads as rows of fragments (built
-            # here, untimed, as the socket layer hands them over).
-            received = []
-            for reliable, payload, compensated, slots in pushes:
-                sent = cast(compensated, wire)
-                block_ids, frag_ids = np.divmod(slots, layout.frags_per_block)
-                starts, stops = layout.slot_ranges(slots)
-                rows = np.zeros((len(slots), fe), wire)
-                full = (stops - starts) == fe
-                rows[full] = sent[starts[full, None] + np.arange(fe)]
-                for i in np.flatnonzero(~full).tolist():
-                    rows[i, :stops[i] - starts[i]] = sent[starts[i]:stops[i]]
-                received.append((reliable, payload, block_ids, frag_ids, rows, stops - starts))
+            # What the server receives: the datagrams as its receive buffer holds them, one
+            # row each, with their sizes (built here, untimed, as the socket layer fills it).
+            received = [(reliable, payload, *receive_buffer(datagrams, len(slots)))
+                        for reliable, payload, _, slots, datagrams in pushes]
+            known = np.ones(rank_count, dtype=bool)
             began = time.perf_counter()
-            for rank, (reliable, payload, block_ids, frag_ids, rows, lengths) in enumerate(received):
+            for rank, (reliable, payload, rows, sizes) in enumerate(received):
                 header = Header(MsgType.PUSH, rank=rank, dtype=code, key=key, part=part.index,
                                 step=step, n_elems=part.n_elems, block_elems=config.block_elems,
-                                frag_elems=fe, block=len(reliable), udp_expected=len(block_ids))
+                                frag_elems=fe, block=len(reliable), udp_expected=len(sizes))
                 groups = blocks.chunk_blocks(reliable, chunk_elems(itemsize))
                 chunks, offset = [], 0
                 for group in groups:
@@ -149,16 +141,14 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                     chunks.append(payload[offset:offset + size])
                     offset += size
                 merger.add_push(header, reliable, chunks, 0.0)
-                arrived = (rng.random(len(block_ids)) >= udp_loss) if udp_loss else slice(None)
-                if len(block_ids):
-                    # Run by run, as the server sees them: one sender's GSO call at a time.
-                    data = header._replace(type=MsgType.DATA)
-                    ids, frags = block_ids[arrived], frag_ids[arrived]
-                    run_rows, run_lengths = rows[arrived], lengths[arrived]
-                    for lo in range(0, len(ids), run_datagrams):
-                        run = slice(lo, lo + run_datagrams)
-                        merger.add_fragments(data, ids[run], frags[run], run_rows[run],
-                                             run_lengths[run])
+                if len(sizes):
+                    if udp_loss:
+                        arrived = np.flatnonzero(rng.random(len(sizes)) >= udp_loss)
+                        rows, sizes = rows[arrived], sizes[arrived]
+                    # Batch by batch, through the server's own path (checks, runs, merge).
+                    for lo in range(0, len(sizes), batch_datagrams):
+                        merge_datagram_batch(merger, rows[lo:lo + batch_datagrams],
+                                             sizes[lo:lo + batch_datagrams], 0, known)
                     merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
             closed = merger.poll(0.0)
             assert closed, "the step should close once everything arrived"
@@ -177,12 +167,28 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                 # datagrams that were not merged, for the next step's compensate above.
                 began = time.perf_counter()
                 for step_closed in closed:
-                    for rank, (_, _, compensated, _) in enumerate(pushes):
+                    for rank, (_, _, compensated, _, _) in enumerate(pushes):
                         missing = np.flatnonzero(step_closed.missing[rank])
                         states[rank][0].remember((key, part.index), compensated,
                                                  *layout.slot_ranges(missing))
                 worker_s += (time.perf_counter() - began) / rank_count
     return worker_s, server_s
+
+
+def receive_buffer(datagrams, count):
+    """``(rows, sizes)``: ``count`` datagrams as a server's receive buffer holds them, one
+    uint8 row each (the full-size fragments, then the short ones zero-padded)."""
+    width = max([datagrams.rows.shape[1]]
+                + [HEADER_BYTES + len(body) for body in datagrams.odd_payloads])
+    rows = np.zeros((count, width), np.uint8)
+    sizes = np.full(count, width, np.int64)
+    rows[:len(datagrams.rows)] = datagrams.rows
+    heads = np.frombuffer(datagrams.odd_headers, np.uint8).reshape(-1, HEADER_BYTES)
+    for i, (head, body) in enumerate(zip(heads, datagrams.odd_payloads),
+                                     start=len(datagrams.rows)):
+        rows[i, :HEADER_BYTES], rows[i, HEADER_BYTES:HEADER_BYTES + len(body)] = head, body
+        sizes[i] = HEADER_BYTES + len(body)
+    return rows, sizes
 
 
 def plain_sum_step(grads, accumulators, rank_count):
@@ -204,17 +210,19 @@ def main() -> int:
     parser.add_argument("--udp-loss", type=float, default=0.0,
                         help="share of datagrams lost (seeded), 0..1: at the testbed's 90 %% "
                              "the summing server's replies become sparse")
-    parser.add_argument("--run-datagrams", type=int, default=60,
-                        help="datagrams per merge call (default 60: a worker hands the kernel "
-                             "up to 60 per GSO call, and a server merges run by run)")
+    parser.add_argument("--batch-datagrams", "--run-datagrams", type=int, default=60,
+                        help="datagrams per receive batch, each merged by the server's "
+                             "merge_datagram_batch (default 60, the most a batch holds; a "
+                             "server under a rate limit drains fewer per turn of its loop: "
+                             "udp_merged / udp_batches in its counters line)")
     parser.add_argument("--server-optimizer", action="store_true",
                         help="the replies of a server that runs the optimizer: weights, as "
                              "DGT_WEIGHTS_REPLY says, instead of the sum")
     args = parser.parse_args()
     if not 0.0 <= args.udp_loss <= 1.0:
         parser.error(f"--udp-loss must be within 0..1 (got {args.udp_loss})")
-    if args.run_datagrams < 1:
-        parser.error(f"--run-datagrams must be at least 1 (got {args.run_datagrams})")
+    if args.batch_datagrams < 1:
+        parser.error(f"--batch-datagrams must be at least 1 (got {args.batch_datagrams})")
     config = Config.from_env()
     shapes = model_shapes(args.model)
     rng = np.random.default_rng(0)
@@ -226,7 +234,7 @@ def main() -> int:
     loss_rng = np.random.default_rng(1)
     replies = WeightsReplies(config, args.workers) if args.server_optimizer else None
     times = [one_step(config, shapes, grads, states, merger, step, args.workers, args.udp_loss,
-                      loss_rng, args.run_datagrams, replies)
+                      loss_rng, args.batch_datagrams, replies)
              for step in range(args.repeat + 1)][1:]
     accumulators = [np.empty_like(g) for g in grads]
     plain_ms = statistics.median(plain_sum_step(grads, accumulators, args.workers)
@@ -237,7 +245,7 @@ def main() -> int:
     print(f"{args.model}: {params / 1e6:.1f} M parameters, k={config.threshold}, "
           f"{args.workers} workers, error feedback {'on' if config.error_feedback else 'off'}, "
           f"UDP loss {args.udp_loss:.0%}, wire dtype {config.wire_dtype}, "
-          f"{args.run_datagrams} datagrams per merge call, "
+          f"{args.batch_datagrams} datagrams per receive batch, "
           + (f"optimizer on the servers, weights replies {config.weights_reply} "
              if args.server_optimizer else "optimizer on the workers ")
           + "(the defaults; DGT_* variables change them)")

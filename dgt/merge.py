@@ -38,10 +38,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .errors import RemoteProtocolError
-from .kernels import cast, merge_rows_, rows_add_, scale_ranges_
+from .kernels import SCAN_RUN_FIELDS, cast, merge_rows_, rows_add_, scale_ranges_
 from .partition import BlockLayout, FragmentLayout
-from .wire import (HEADER_BYTES, HEADER_DTYPE, Header, MsgType, check_datagrams, chunk_elems,
-                   code_dtype, header_runs, is_float_dtype)
+from .wire import (HEADER_BYTES, Header, MsgType, chunk_elems, code_dtype, is_float_dtype,
+                   scan_datagram_batch)
 
 __all__ = ["StepMerger", "ClosedStep", "PartSpec", "Outcome", "merge_datagram_batch"]
 
@@ -500,12 +500,6 @@ class StepMerger:
         self._parts.pop((key, part), None)
 
 
-# Fields of a DATA header that identify its push, with their positions in HEADER_DTYPE.
-_RUN_FIELDS = tuple((name, HEADER_DTYPE.names.index(name))
-                    for name in ("job", "rank", "dtype", "key", "part", "step", "n_elems",
-                                 "block_elems", "frag_elems"))
-
-
 def merge_datagram_batch(merger: StepMerger, rows: np.ndarray, sizes: np.ndarray, job_id: int,
                          known_ranks: np.ndarray) -> Dict[str, int]:
     """Check a batch of received datagrams and merge the good ones run by run.
@@ -515,27 +509,12 @@ def merge_datagram_batch(merger: StepMerger, rows: np.ndarray, sizes: np.ndarray
     refused, by reason (``malformed``, ``foreign``: another job's, ``unknown_sender``); what
     became of the others is in ``merger.counters``.
     """
-    count = len(sizes)
-    headers = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER_DTYPE).reshape(-1)
-    valid = check_datagrams(headers, sizes)
-    foreign = valid & (headers["job"] != job_id)
-    refused = {"malformed": int(count - valid.sum()), "foreign": int(foreign.sum())}
-    valid &= ~foreign
-    ranks = headers["rank"].astype(np.int64)
-    in_range = ranks < len(known_ranks)
-    unknown = valid & ~(in_range & known_ranks[np.where(in_range, ranks, 0)])
-    refused["unknown_sender"] = int(unknown.sum())
-    valid &= ~unknown
-    if not valid.any():
-        return refused
-    index = np.flatnonzero(valid)
-    blocks = headers["block"].astype(np.int64)
-    frags = headers["frag"].astype(np.int64)
-    for members in header_runs(headers, index):
-        # One conversion of the record (a run is ~60 datagrams, a batch holds dozens of
-        # runs): item() is one call where ten int(field) lookups cost ten.
-        first = headers[members[0]].item()
-        header = Header(MsgType.DATA, **{name: first[i] for name, i in _RUN_FIELDS})
+    # One compiled scan per batch: a server under a rate limit drains a few datagrams per
+    # turn of its loop, so a fixed cost per batch is paid per handful of datagrams.
+    batch = scan_datagram_batch(rows, sizes, job_id, known_ranks)
+    blocks, frags = batch.blocks, batch.frags
+    for members, fields in batch.runs:
+        header = Header(MsgType.DATA, **dict(zip(SCAN_RUN_FIELDS, fields)))
         dtype = code_dtype(header.dtype)
         width = (rows.shape[1] - HEADER_BYTES) // dtype.itemsize
         lo, hi = int(members[0]), int(members[-1]) + 1
@@ -544,5 +523,4 @@ def merge_datagram_batch(merger: StepMerger, rows: np.ndarray, sizes: np.ndarray
         values = rows[chosen, HEADER_BYTES:HEADER_BYTES + width * dtype.itemsize]
         merger.add_fragments(header, blocks[chosen], frags[chosen], values.view(dtype),
                              (sizes[chosen] - HEADER_BYTES) // dtype.itemsize)
-    return refused
-
+    return batch.refused

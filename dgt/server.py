@@ -283,6 +283,7 @@ class Server:
         for _ in range(_UDP_BATCHES_PER_TURN):
             count = udp.receive_batch()
             if count:
+                self.counters["udp_batches"] += 1  # datagrams per batch: udp_merged / this
                 began = time.thread_time()
                 self._merge_batch(count)
                 self.own_cpu_s += time.thread_time() - began

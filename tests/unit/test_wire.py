@@ -114,6 +114,72 @@ def test_vectorised_checks_agree_with_the_decoder(rng):
     assert batch[:4].all() and not batch.all()
 
 
+def test_batch_scan_gives_the_verdicts_and_runs_of_the_numpy_checks(rng):
+    """scan_datagram_batch (one compiled pass) refuses and cuts a batch exactly as
+    check_datagrams, the job and sender tests and header_runs do: fuzzed headers, another
+    job's datagrams, an unknown sender, pushes interleaved, float32 and bfloat16."""
+    from dgt.wire import HEADER_DTYPE, check_datagrams, scan_datagram_batch
+
+    pushes = [data_header(job=job, rank=rank, key=key, step=step, dtype=dtype)
+              for job in (9, 8) for rank in (0, 1, 2) for key in (5, 6) for step in (3, 4)
+              for dtype in (1, 10)]
+    owner = np.repeat(rng.integers(0, len(pushes), 300), rng.integers(1, 6, 300))
+    samples = []
+    for p in owner.tolist():
+        header = pushes[p]._replace(block=int(rng.integers(0, 3)), frag=int(rng.integers(0, 3)))
+        try:
+            nbytes = expected_fragment_bytes(header)
+        except RemoteProtocolError:  # a fragment past its block's end: malformed
+            nbytes = 64
+        buf = bytearray(datagram(header, nbytes=nbytes))
+        if rng.random() < 0.2:  # a corrupted header byte, or a cut datagram
+            buf[rng.integers(0, HEADER_BYTES)] = rng.integers(0, 256)
+        if rng.random() < 0.05:
+            buf = buf[:rng.integers(0, len(buf) + 1)]
+        samples.append(bytes(buf))
+    width = max(len(b) for b in samples)
+    buffer = np.zeros((len(samples) + 3, width + 8), np.uint8)  # as a receiver's, reused
+    buffer[:, :HEADER_BYTES] = rng.integers(0, 256, (len(samples) + 3, HEADER_BYTES))
+    for i, b in enumerate(samples):
+        buffer[i, :len(b)] = np.frombuffer(b, np.uint8)
+    sizes = np.array([len(b) for b in samples], np.int64)
+    known = np.array([True, True, False])
+    rows = buffer[:len(samples)]
+
+    batch = scan_datagram_batch(rows, sizes, 9, known)
+
+    headers = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view(HEADER_DTYPE).reshape(-1)
+    valid = check_datagrams(headers, sizes)
+    foreign = valid & (headers["job"] != 9)
+    ranks = headers["rank"].astype(np.int64)
+    unknown = valid & ~foreign & ~known[np.minimum(ranks, 2)] | (valid & ~foreign & (ranks > 2))
+    good = valid & ~foreign & ~unknown
+    assert batch.refused == {"malformed": int((~valid).sum()), "foreign": int(foreign.sum()),
+                             "unknown_sender": int(unknown.sum())}
+    assert 0 < good.sum() < len(samples) and batch.refused["foreign"] > 0
+    assert batch.refused["unknown_sender"] > 0 and batch.refused["malformed"] > 0
+    expected = header_runs(headers, np.flatnonzero(good))
+    assert len(batch.runs) == len(expected) > 20
+    for (members, fields), want in zip(batch.runs, expected):
+        assert np.array_equal(members, want)
+        first = headers[want[0]]
+        assert fields == tuple(int(first[name]) for name in
+                               ("job", "rank", "dtype", "key", "part", "step", "n_elems",
+                                "block_elems", "frag_elems"))
+    assert np.array_equal(batch.blocks[good], headers["block"][good])
+    assert np.array_equal(batch.frags[good], headers["frag"][good])
+    empty = scan_datagram_batch(rows[:0], sizes[:0], 9, known)
+    assert empty.runs == [] and sum(empty.refused.values()) == 0
+
+
+def test_batch_scan_refuses_rows_shorter_than_a_header():
+    from dgt.wire import scan_datagram_batch
+
+    with pytest.raises(ValueError, match="rows must be uint8"):
+        scan_datagram_batch(np.zeros((2, HEADER_BYTES - 1), np.uint8), np.zeros(2, np.int64),
+                            9, np.ones(2, bool))
+
+
 def test_header_runs_cut_at_every_change_of_push_and_cover_each_row_once():
     rng = np.random.default_rng(7)
     pushes = [Header(MsgType.DATA, job=9, rank=r, key=k, step=s, dtype=1, n_elems=4096,
