@@ -28,6 +28,8 @@ paths against each other.  Kernels are compiled on first use and cached on disk 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import ml_dtypes
 import numpy as np
 from numba import njit
@@ -149,7 +151,7 @@ def _write_or_add(target, source, add):  # pragma: no cover - compiled, inlined 
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _bfloat16_blocks_into(padded, blocks, block_elems, n_elems, bits, add):  # pragma: no cover
+def _bfloat16_blocks_into(padded, blocks, block_elems, n_elems, bits, filled):  # pragma: no cover
     # One block at a time: the widened block stays in cache between its two loops.
     widened = np.empty(block_elems, np.uint32)
     as_float = widened.view(np.float32)
@@ -160,36 +162,49 @@ def _bfloat16_blocks_into(padded, blocks, block_elems, n_elems, bits, add):  # p
         source = bits[offset:offset + length]
         for i in range(length):
             widened[i] = np.uint32(source[i]) << np.uint32(16)
-        _write_or_add(padded[start:start + length], as_float[:length], add)
+        _write_or_add(padded[start:start + length], as_float[:length], filled[blocks[j]])
+        filled[blocks[j]] = True
         offset += length
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _float32_blocks_into(padded, blocks, block_elems, n_elems, payload, add):  # pragma: no cover
+def _float32_blocks_into(padded, blocks, block_elems, n_elems, payload, filled):  # pragma: no cover
     offset = 0
     for j in range(blocks.size):
         start = blocks[j] * block_elems
         length = min(block_elems, n_elems - start)
-        _write_or_add(padded[start:start + length], payload[offset:offset + length], add)
+        _write_or_add(padded[start:start + length], payload[offset:offset + length],
+                      filled[blocks[j]])
+        filled[blocks[j]] = True
         offset += length
 
 
 def blocks_into_(padded: np.ndarray, blocks: np.ndarray, block_elems: int, n_elems: int,
-                 payload: np.ndarray, add: bool) -> bool:
+                 payload: np.ndarray, add) -> bool:
     """Write (``add``: add) the float32 or bfloat16 ``payload`` of ascending ``blocks``
     (gathered at their true lengths, see :meth:`dgt.partition.BlockLayout.gather`) into the
-    float32 ``padded``, block by block.  Returns False, having done nothing, for any other
-    dtypes or layouts."""
+    float32 ``padded``, block by block.  ``add`` is one bool for every block, or a bool per
+    block of the tensor (a server's "this block already holds data"): those blocks are added
+    to, the others written, and all of ``blocks`` are then marked in it.  Returns False,
+    having done nothing, for any other dtypes or layouts."""
     if padded.dtype != np.float32 or padded.ndim != 1 or payload.ndim != 1 \
             or not padded.flags.c_contiguous or not payload.flags.c_contiguous:
         return False
-    blocks = np.asarray(blocks, dtype=np.int64)  # one compiled signature (and warm_up's)
-    if payload.dtype == np.float32:
-        _float32_blocks_into(padded, blocks, block_elems, n_elems, payload, add)
-    elif payload.dtype == _BFLOAT16:
-        _bfloat16_blocks_into(padded, blocks, block_elems, n_elems, payload.view(np.uint16), add)
-    else:
+    if payload.dtype not in (np.float32, _BFLOAT16):
         return False
+    blocks = np.asarray(blocks, dtype=np.int64)  # one compiled signature (and warm_up's)
+    if isinstance(add, np.ndarray):
+        if add.dtype != np.bool_ or add.ndim != 1 or (len(blocks) and blocks.max() >= add.size):
+            raise ValueError(f"blocks_into_: `add` must be a bool per block ({add.dtype}, "
+                             f"{add.shape} for block {blocks.max() if len(blocks) else 0})")
+        filled = add
+    else:
+        filled = np.full(-(-n_elems // block_elems), bool(add))
+    if payload.dtype == np.float32:
+        _float32_blocks_into(padded, blocks, block_elems, n_elems, payload, filled)
+    else:
+        _bfloat16_blocks_into(padded, blocks, block_elems, n_elems, payload.view(np.uint16),
+                              filled)
     return True
 
 
@@ -372,9 +387,13 @@ def scale_ranges_(acc: np.ndarray, starts: np.ndarray, stops: np.ndarray,
     return acc
 
 
+_NO_MARKS = np.zeros(0, np.bool_)
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems, n_elems,
-                 frag_elems, width, acc_size, starts, stops):  # pragma: no cover - compiled
+                 frag_elems, width, acc, filled, track, starts, stops):  # pragma: no cover
+    acc_size = acc.size
     for r in range(blocks.size):  # every index is checked before anything is marked
         block, frag = blocks[r], frags[r]
         if block < 0 or block >= reliable.size or frag < 0 or frag >= frags_per_block \
@@ -393,18 +412,26 @@ def _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems
         else:
             received[slot] = True
             fresh += 1
+            block = blocks[r]
+            if track and not filled[block]:  # the block's first data: zero it, then add
+                lo = block * block_elems
+                acc[lo:min(lo + block_elems, n_elems)] = 0.0
+                filled[block] = True
     return fresh
 
 
 def merge_rows_(acc: np.ndarray, received: np.ndarray, reliable: np.ndarray,
                 blocks: np.ndarray, frags: np.ndarray, frags_per_block: int, block_elems: int,
-                n_elems: int, frag_elems: int, rows: np.ndarray) -> int:
+                n_elems: int, frag_elems: int, rows: np.ndarray,
+                filled: Optional[np.ndarray] = None) -> int:
     """A server merging one worker's run of datagrams into an open step, in one call.
 
     Row r is fragment ``frags[r]`` of block ``blocks[r]`` (the fragment layout of a part of
     ``n_elems`` elements); it is added into the float32 ``acc`` unless its slot is already
     set in ``received`` (a duplicate, also one repeated inside the run) or its block in
-    ``reliable`` (sent over TCP too); ``received`` is set for the rows added.  Replaces
+    ``reliable`` (sent over TCP too); ``received`` is set for the rows added.  With
+    ``filled`` (a bool per block: the block holds data), a block's first row zeroes it before
+    adding, and marks it: an accumulator need not be zeroed as a whole.  Replaces
     ``np.unique`` on the slots, two masks, their fancy-indexed updates and
     :func:`rows_add_`'s checks: the per-run numpy calls cost a server more than the additions.
 
@@ -415,6 +442,8 @@ def merge_rows_(acc: np.ndarray, received: np.ndarray, reliable: np.ndarray,
     if acc.dtype != np.float32 or acc.ndim != 1 or not acc.flags.c_contiguous \
             or received.dtype != np.bool_ or reliable.dtype != np.bool_ \
             or received.ndim != 1 or reliable.ndim != 1 \
+            or (filled is not None and (filled.dtype != np.bool_ or filled.ndim != 1
+                                        or filled.size != reliable.size)) \
             or blocks.dtype != np.int64 or frags.dtype != np.int64 or rows.ndim != 2 \
             or not len(blocks) == len(frags) == rows.shape[0] \
             or (rows.shape[0] and rows.strides[1] != rows.itemsize):
@@ -427,8 +456,10 @@ def merge_rows_(acc: np.ndarray, received: np.ndarray, reliable: np.ndarray,
         return -1
     starts = np.empty(len(blocks), np.int64)
     stops = np.empty(len(blocks), np.int64)
+    track = filled is not None
     fresh = _claim_slots(received, reliable, blocks, frags, frags_per_block, block_elems,
-                         n_elems, frag_elems, rows.shape[1], acc.size, starts, stops)
+                         n_elems, frag_elems, rows.shape[1], acc,
+                         filled if track else _NO_MARKS, track, starts, stops)
     if fresh < 0:
         raise ValueError("merge_rows_: a datagram's block or fragment lies outside the part's "
                          "layout, the accumulator or its row")

@@ -209,6 +209,26 @@ class BlockLayout:
         if last is not None:
             rows[-1, :last.size] = last
 
+    def scatter_into_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray,
+                      filled: np.ndarray) -> None:
+        """:meth:`scatter_set_` into the blocks whose ``filled`` flag (a bool per block) is
+        False, :meth:`scatter_add_` into the others, in one pass; marks every one of
+        ``blocks`` filled."""
+        if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
+                                            payload, add=filled):
+            return
+        self.hold_(padded, blocks, filled)
+        self.scatter_add_(padded, blocks, payload)
+
+    def hold_(self, padded: np.ndarray, blocks: np.ndarray, filled: np.ndarray) -> None:
+        """Zero those of ``blocks`` (any order, repeats allowed) whose ``filled`` flag is
+        False, and set it: they can then be added to."""
+        fresh = np.unique(np.asarray(blocks)[~filled[blocks]]) if len(blocks) else blocks
+        for block in fresh.tolist():
+            lo, hi = self.block_range(block)
+            padded[lo:hi] = 0
+        filled[fresh] = True
+
     def zero_except_(self, padded: np.ndarray, blocks: np.ndarray) -> None:
         """Zero every block of ``padded`` not in ``blocks``, and the padding after the last
         element.  With :meth:`scatter_set_` this fills an accumulator in one pass over memory,

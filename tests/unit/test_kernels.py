@@ -84,6 +84,38 @@ def test_blocks_into_equals_numpy_block_writes(rng, wire, add):
     np.testing.assert_array_equal(padded, expected)
 
 
+@pytest.mark.parametrize("wire", [np.float32, BFLOAT16])
+def test_blocks_into_with_marks_writes_unfilled_blocks_adds_to_filled_ones(rng, wire):
+    """A server's accumulator is not zeroed: a block that holds no data yet is written, one
+    that does is added to, and every pushed block is marked afterwards."""
+    layout = BlockLayout(10 * 256 + 100, 256)
+    blocks = np.array([0, 1, 4, 7, 8, 10], dtype=np.int64)
+    filled = np.zeros(layout.n_blocks, bool)
+    filled[[1, 7, 9]] = True
+    payload = layout.gather(rng.standard_normal(layout.n_elems).astype(wire), blocks)
+    start = rng.standard_normal(layout.padded_elems).astype(np.float32)  # stale values
+    expected, offset = start.copy(), 0
+    for block in blocks.tolist():
+        lo, hi = layout.block_range(block)
+        widened = payload[offset:offset + hi - lo].astype(np.float32)
+        expected[lo:hi] = expected[lo:hi] + widened if filled[block] else widened
+        offset += hi - lo
+    want_filled = filled.copy()
+    want_filled[blocks] = True
+    padded = start.copy()
+    assert blocks_into_(padded, blocks, layout.block_elems, layout.n_elems, payload, filled)
+    np.testing.assert_array_equal(padded, expected)
+    np.testing.assert_array_equal(filled, want_filled)
+    # The same through the layout, and its numpy path (float64) agrees.
+    padded64, marks = start.astype(np.float64), want_filled & False
+    marks[[1, 7, 9]] = True
+    layout.scatter_into_(padded64, blocks, payload.astype(np.float64), marks)
+    np.testing.assert_allclose(padded64, expected, rtol=1e-6)
+    np.testing.assert_array_equal(marks, want_filled)
+    with pytest.raises(ValueError, match="a bool per block"):
+        blocks_into_(padded, blocks, layout.block_elems, layout.n_elems, payload, filled[:5])
+
+
 def test_blocks_into_leaves_other_dtypes_to_numpy():
     padded = np.zeros(512, np.float64)
     assert not blocks_into_(padded, np.array([0]), 256, 512, np.ones(256), add=True)
@@ -317,6 +349,34 @@ def test_merge_rows_claims_fresh_slots_and_adds_them_as_the_numpy_path(rng, wire
     assert got == want == 6
     np.testing.assert_array_equal(received, want_received)
     np.testing.assert_allclose(acc, want_acc, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_rows_with_marks_zeroes_each_blocks_first_data_before_adding(rng):
+    """With ``filled``, the accumulator holds stale values outside the filled blocks: a
+    block's first fresh row zeroes the block, so the block ends as the sum of its rows; a
+    filled block is added to; a duplicate marks nothing."""
+    from dgt.partition import FragmentLayout
+    layout = FragmentLayout(BlockLayout(5000, 1024), 256)
+    blocks = np.array([0, 0, 1, 2, 4, 4, 0], np.int64)
+    frags = np.array([0, 1, 3, 2, 3, 0, 1], np.int64)  # (0, 1) twice; (4, 3) is short
+    received = np.zeros(layout.n_slots, bool)
+    reliable = np.zeros(layout.blocks.n_blocks, bool)
+    filled = np.zeros(layout.blocks.n_blocks, bool)
+    filled[1] = True  # block 1 holds a push's data
+    rows = rng.standard_normal((len(blocks), 256)).astype(np.float32)
+    acc = rng.standard_normal(layout.blocks.padded_elems).astype(np.float32)
+    want = acc.astype(np.float64)
+    for block in (0, 2, 4):  # what zeroing the first data's blocks leaves
+        lo, hi = layout.blocks.block_range(block)
+        want[lo:hi] = 0
+    _numpy_merge_rows(want, received.copy(), reliable, blocks, frags, layout, rows)
+    got = merge_rows_(acc, received, reliable, blocks, frags, layout.frags_per_block, 1024,
+                      5000, 256, rows, filled=filled)
+    assert got == 6
+    np.testing.assert_allclose(acc, want, rtol=1e-6, atol=1e-6)
+    assert filled.tolist() == [True, True, True, False, True]
+    assert merge_rows_(acc, received, reliable, blocks, frags, layout.frags_per_block, 1024,
+                       5000, 256, rows, filled=filled[:3]) == -1  # marks of another layout
 
 
 def test_merge_rows_refuses_indices_outside_the_layout_and_changes_nothing():
