@@ -509,16 +509,16 @@ def _scan_datagrams(rows, sizes, offsets, widths, expect, job_id, known, itemsiz
             itemsize = itemsizes[fields[_F_DTYPE]]
             ok = ok and itemsize > 0 and sizes[r] == header_bytes + frag_len * itemsize
         if not ok:
-            verdicts[r] = 1
+            verdicts[r] = SCAN_MALFORMED
             continue
         if fields[_F_JOB] != job_id:
-            verdicts[r] = 2
+            verdicts[r] = SCAN_FOREIGN
             continue
         rank = fields[_F_RANK]
         if rank >= known.size or not known[rank]:
-            verdicts[r] = 3
+            verdicts[r] = SCAN_UNKNOWN_SENDER
             continue
-        verdicts[r] = 0
+        verdicts[r] = SCAN_OK
         fresh_run = n_runs == 0
         if not fresh_run:
             for c in range(run_columns.size):
