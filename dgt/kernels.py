@@ -550,9 +550,9 @@ def scan_datagrams(rows: np.ndarray, sizes: np.ndarray, offsets: np.ndarray,
     code a datagram may carry (0 for the others).  Returns ``(verdicts, blocks, frags, index,
     run_bounds, run_fields)``: a ``SCAN_*`` code per datagram; the good rows ascending; run k
     is ``index[run_bounds[k]:run_bounds[k + 1]]`` and ``run_fields[k]`` its push's
-    :data:`SCAN_RUN_FIELDS`.  The same verdicts as :func:`dgt.wire.check_datagrams` and the
-    job and sender tests after it, the same runs as :func:`dgt.wire.header_runs`; the numpy
-    calls of those cost a server ~75 us per batch, more than merging a dozen datagrams."""
+    :data:`SCAN_RUN_FIELDS`.  The same verdicts and runs as the numpy references in
+    ``tests/unit/wire_oracles.py``, whose calls cost a server ~75 us per batch, more than
+    merging a dozen datagrams."""
     count = len(sizes)
     if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[0] < count \
             or rows.shape[1] < expect[0]:

@@ -74,8 +74,8 @@ __all__ = ["CHUNK_BYTES", "chunk_elems", "split_dense", "split_blocks", "decode_
            "FLAG_FEEDBACK", "FLAG_WEIGHTS", "FLAG_SPARSE", "FLAG_SCORES", "FLAG_DELTA",
            "NO_RANK",
            "PRIORITY_CONTROL", "PRIORITY_LAST", "clamp_priority", "expected_fragment_bytes",
-           "HEADER_DTYPE", "data_headers", "Datagrams", "frame_datagrams", "check_datagrams",
-           "header_runs", "scan_datagram_batch", "DatagramBatch", "decode_scores",
+           "HEADER_DTYPE", "data_headers", "Datagrams", "frame_datagrams",
+           "scan_datagram_batch", "DatagramBatch", "decode_scores",
            "BFLOAT16", "is_float_dtype"]
 
 # Large payloads travel as frames of about 1 MiB: libzmq allocates one buffer per frame, and
@@ -422,28 +422,6 @@ def frame_datagrams(base: Header, layout: FragmentLayout, values: np.ndarray,
                     for start, stop in zip(starts[odd].tolist(), stops[odd].tolist())]
     return Datagrams(rows, chans[rows_at], header_rows[odd].tobytes(), chans[odd], odd_payloads)
 
-def check_datagrams(headers: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Vectorised :func:`decode_datagram` checks: True where a datagram is well formed.
-
-    ``headers`` (HEADER_DTYPE) and ``sizes`` (total datagram bytes) describe a batch.
-    """
-    ok = ((sizes >= HEADER_BYTES) & (headers["magic"] == MAGIC) & (headers["version"] == VERSION)
-          & (headers["type"] == int(MsgType.DATA))
-          & (headers["channel"] >= 1) & (headers["n_elems"] >= 1)
-          & (headers["block_elems"] >= 1) & (headers["frag_elems"] >= 1))
-    n = headers["n_elems"].astype(np.int64)
-    b = np.where(ok, headers["block_elems"], 1).astype(np.int64)
-    fe = np.where(ok, headers["frag_elems"], 1).astype(np.int64)
-    block = headers["block"].astype(np.int64)
-    frag = headers["frag"].astype(np.int64)
-    ok &= block < -(-n // b)
-    block_len = np.minimum(b, n - block * b)
-    ok &= frag < -(-np.maximum(block_len, 1) // fe)
-    frag_len = np.minimum(fe, block_len - frag * fe)
-    itemsize = _DATAGRAM_ITEMSIZE[headers["dtype"]]
-    ok &= (itemsize > 0) & (sizes == HEADER_BYTES + frag_len * itemsize)
-    return ok
-
 
 # Where the batch scan (dgt.kernels.scan_datagrams) finds each field it reads in a header.
 _SCAN_OFFSETS = np.array([HEADER_DTYPE.fields[name][1] for name in SCAN_FIELDS], np.int64)
@@ -464,8 +442,14 @@ class DatagramBatch(NamedTuple):
 def scan_datagram_batch(rows: np.ndarray, sizes: np.ndarray, job_id: int,
                         known_ranks: np.ndarray) -> DatagramBatch:
     """Check a receiver's batch (datagram i is ``rows[i, :sizes[i]]``, uint8) in one compiled
-    pass and cut the good datagrams into runs of one push: what :func:`check_datagrams`, the
-    job and sender tests and :func:`header_runs` do, with one call's overhead per batch."""
+    pass and cut the good datagrams into runs of one push, with one call's overhead per batch.
+
+    Refused: what :func:`decode_datagram` refuses (malformed), another job's datagrams
+    (foreign), and those of a rank not in ``known_ranks`` (unknown_sender).  A run ends where
+    the push (rank, key, part, step and layout) changes: a sender hands the kernel many
+    datagrams of one push per call, so the server merges run by run, and a push split over
+    several runs gives the same sums.  ``tests/unit/wire_oracles.py`` holds the numpy
+    references these verdicts and runs are tested against."""
     verdicts, blocks, frags, index, bounds, fields = scan_datagrams(
         rows, sizes, _SCAN_OFFSETS, _SCAN_WIDTHS, _SCAN_EXPECT, job_id,
         np.asarray(known_ranks, dtype=np.bool_), _DATAGRAM_ITEMSIZE)
@@ -475,27 +459,3 @@ def scan_datagram_batch(rows: np.ndarray, sizes: np.ndarray, job_id: int,
     cuts = bounds.tolist()
     runs = [(index[lo:hi], run) for lo, hi, run in zip(cuts, cuts[1:], map(tuple, fields.tolist()))]
     return DatagramBatch(refused, blocks, frags, runs)
-
-
-_PUSH_FIELDS = ("rank", "key", "part", "step", "dtype", "n_elems", "block_elems", "frag_elems")
-
-
-def header_runs(headers: np.ndarray, index: np.ndarray) -> List[np.ndarray]:
-    """``index`` (ascending rows of ``headers``, a HEADER_DTYPE array) cut into runs of
-    datagrams of the same push, in order.
-
-    Datagrams of one push arrive in long runs (a sender hands the kernel up to 60 per call),
-    so the server merges run by run; a push split over several runs is merged in several
-    calls, which gives the same sums.  (Grouping with ``np.unique`` on the structured headers
-    cost more than the merge itself.)
-    """
-    if len(index) == 0:
-        return []
-    every_row = len(index) == len(headers) and index[0] == 0 and index[-1] == len(headers) - 1
-    starts = np.zeros(len(index), dtype=bool)
-    starts[0] = True
-    for name in _PUSH_FIELDS:
-        # Column by column: fancy-indexing the structured array itself costs 20x more.
-        column = headers[name] if every_row else headers[name][index]
-        starts[1:] |= column[1:] != column[:-1]
-    return np.split(index, np.flatnonzero(starts)[1:])

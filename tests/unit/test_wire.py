@@ -5,8 +5,10 @@ from dgt.errors import RemoteProtocolError
 from dgt.partition import BlockLayout, FragmentLayout
 from dgt.wire import (BFLOAT16, CHUNK_BYTES, HEADER_BYTES, Header, MsgType, data_headers,
                       decode_blocks, decode_datagram, decode_header, decode_scores, dtype_code,
-                      encode_header, expected_fragment_bytes, frame_datagrams, header_runs,
+                      encode_header, expected_fragment_bytes, frame_datagrams,
                       split_blocks, sum_reply_frames)
+
+from .wire_oracles import check_datagrams, header_runs
 
 
 def data_header(**kw):
@@ -87,8 +89,8 @@ def test_random_bytes_only_ever_raise_remote_protocol_error(rng):
 
 
 def test_vectorised_checks_agree_with_the_decoder(rng):
-    """check_datagrams (the server's batch path) accepts exactly what decode_datagram does."""
-    from dgt.wire import HEADER_DTYPE, check_datagrams
+    """check_datagrams (the scan's numpy reference) accepts exactly what decode_datagram does."""
+    from dgt.wire import HEADER_DTYPE
 
     valid = datagram(data_header())
     samples = [valid, datagram(data_header(block=0, frag=0)), datagram(data_header(dtype=2)),
@@ -118,7 +120,7 @@ def test_batch_scan_gives_the_verdicts_and_runs_of_the_numpy_checks(rng):
     """scan_datagram_batch (one compiled pass) refuses and cuts a batch exactly as
     check_datagrams, the job and sender tests and header_runs do: fuzzed headers, another
     job's datagrams, an unknown sender, pushes interleaved, float32 and bfloat16."""
-    from dgt.wire import HEADER_DTYPE, check_datagrams, scan_datagram_batch
+    from dgt.wire import HEADER_DTYPE, scan_datagram_batch
 
     pushes = [data_header(job=job, rank=rank, key=key, step=step, dtype=dtype)
               for job in (9, 8) for rank in (0, 1, 2) for key in (5, 6) for step in (3, 4)
