@@ -197,23 +197,12 @@ class BlockLayout:
         if last is not None:
             rows[-1, :last.size] += last
 
-    def scatter_set_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray) -> None:
-        """Write ``payload`` into ``padded`` at ``blocks``: through the compiled loop as in
-        :meth:`scatter_add_`, else one fancy-indexed write (a single pass, as fast as slice
-        copies for contiguous blocks and twice as fast for scattered ones)."""
-        if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
-                                            payload, add=False):
-            return
-        rows, full, full_payload, last = self._rows(padded, blocks, payload)
-        rows[full] = full_payload
-        if last is not None:
-            rows[-1, :last.size] = last
-
     def scatter_into_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray,
                       filled: np.ndarray) -> None:
-        """:meth:`scatter_set_` into the blocks whose ``filled`` flag (a bool per block) is
-        False, :meth:`scatter_add_` into the others, in one pass; marks every one of
-        ``blocks`` filled."""
+        """Write ``payload`` into those of ``blocks`` (ascending) whose ``filled`` flag (a bool
+        per block) is False and add it to the others, in one pass through the compiled loop;
+        marks every one of ``blocks`` filled.  A block's first data is written, not added to
+        a zeroed block: one pass over its memory instead of two."""
         if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
                                             payload, add=filled):
             return
@@ -231,7 +220,7 @@ class BlockLayout:
 
     def zero_except_(self, padded: np.ndarray, blocks: np.ndarray) -> None:
         """Zero every block of ``padded`` not in ``blocks``, and the padding after the last
-        element.  With :meth:`scatter_set_` this fills an accumulator in one pass over memory,
+        element.  With :meth:`scatter_into_` this fills an accumulator in one pass over memory,
         where zeroing it and then adding would take three."""
         keep = np.zeros(self.n_blocks, dtype=bool)
         keep[blocks] = True

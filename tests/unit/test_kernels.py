@@ -208,7 +208,8 @@ def test_warm_up_compiles_every_signature_a_push_and_a_merge_use(rng):
         frame_datagrams(base, layout, values, channels, slots, wire)
         frame = np.frombuffer(payload.tobytes(), dtype=wire)  # read-only, as from ZeroMQ
         padded = np.zeros(layout.blocks.padded_elems, np.float32)
-        layout.blocks.scatter_set_(padded, reliable, frame)
+        layout.blocks.scatter_into_(padded, reliable, frame,
+                                    np.zeros(layout.blocks.n_blocks, bool))
         layout.blocks.scatter_add_(padded, reliable, frame)
         to_bfloat16(padded, np.empty(padded.size, BFLOAT16))
         # A server's batch: rows are strided views of its receive buffer.

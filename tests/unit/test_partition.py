@@ -31,7 +31,7 @@ def test_gather_then_scatter_restores_the_chosen_blocks(rng):
 
 
 @pytest.mark.parametrize("n", [5000, 4992])  # last block short / full
-def test_scatter_set_in_chunks_equals_zeroing_then_adding(rng, n):
+def test_scatter_into_fresh_blocks_in_chunks_equals_zeroing_then_adding(rng, n):
     layout = BlockLayout(n, 64)
     flat = rng.standard_normal(n).astype(np.float32)
     for chosen in (np.sort(rng.choice(layout.n_blocks, 40, replace=False)),
@@ -44,13 +44,15 @@ def test_scatter_set_in_chunks_equals_zeroing_then_adding(rng, n):
             expected[lo:hi] = flat[lo:hi]
         padded = np.full(layout.padded_elems, np.nan, np.float32)  # garbage to overwrite
         groups = layout.chunk_blocks(chosen, 64 * 7) if len(chosen) else [chosen]
+        filled = np.zeros(layout.n_blocks, dtype=bool)
         offset = 0
         for group in groups:
             size = layout.payload_elems(group)
-            layout.scatter_set_(padded, group, payload[offset:offset + size])
+            layout.scatter_into_(padded, group, payload[offset:offset + size], filled)
             offset += size
         layout.zero_except_(padded, chosen)
         np.testing.assert_array_equal(padded, expected)
+        assert np.array_equal(np.flatnonzero(filled), chosen)
 
 
 @pytest.mark.parametrize("chosen", ["scattered", "runs", "all", "last only"])
