@@ -9,7 +9,8 @@ building the datagram rows) and the ones the server runs per step (merging the r
 parts and the datagrams of every worker, closing the step, and framing the reply of a summing
 server: the touched blocks gathered when the reply is sparse).  ``--server-optimizer`` times
 the replies of a server that runs the optimizer instead (the update itself left out, as MXNet's
-own work): the server's ``DGT_WEIGHTS_REPLY`` payload (whole weights, or the bfloat16 step
+own work); the worker's part of a reply, putting it in place, is timed either way (the sum
+widened from the wire dtype, the sparse one expanded): the server's ``DGT_WEIGHTS_REPLY`` payload (whole weights, or the bfloat16 step
 from the held copy) and the worker putting it in place (a copy, or the widening add).  Sockets
 are left out: this is the part of a step that dgt adds on top of moving the bytes, to compare
 with the measured step time.
@@ -34,7 +35,7 @@ from dgt.partition import BlockLayout, FragmentLayout, fragment_elems, plan_part
 from dgt.policy import assign_channels  # noqa: E402
 from dgt.scoring import ContributionState, score_blocks  # noqa: E402
 from dgt.wire import (BFLOAT16, HEADER_BYTES, Header, MsgType, chunk_elems,  # noqa: E402
-                      dtype_code, frame_datagrams, sum_reply_frames)
+                      decode_blocks, dtype_code, frame_datagrams, sum_reply_frames)
 from dgt.weights import HeldWeights  # noqa: E402
 
 
@@ -152,11 +153,21 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                     merger.add_push_end(header._replace(type=MsgType.PUSH_END), 0.0)
             closed = merger.poll(0.0)
             assert closed, "the step should close once everything arrived"
+            frames = []
             if replies is None:
                 for step_closed in closed:  # the reply of a summing server (optimizer on workers)
-                    sum_reply_frames(step_closed.merged, step_closed.touched_blocks,
-                                     step_closed.block_elems)
+                    frames.append(sum_reply_frames(step_closed.merged, step_closed.touched_blocks,
+                                                   step_closed.block_elems))
             server_s += time.perf_counter() - began
+            if frames:
+                # Each worker widens the sum into its float32 result, as Worker._fill (dense)
+                # or Worker._fill_sparse does; one worker's time, all do the same.
+                result = states[0][2].setdefault(("reply", key, part.index),
+                                                 np.empty(part.n_elems, np.float32))
+                began = time.perf_counter()
+                for index_frames, n_blocks, chunks in frames:
+                    sum_reply_into(result, blocks, index_frames, n_blocks, chunks, wire)
+                worker_s += time.perf_counter() - began
             if replies is not None:
                 payload, is_delta, seconds = replies.server_reply((key, part.index),
                                                                   part.n_elems, wire)
@@ -173,6 +184,22 @@ def one_step(config, shapes, grads, states, merger, step, rank_count, udp_loss=0
                                                  *layout.slot_ranges(missing))
                 worker_s += (time.perf_counter() - began) / rank_count
     return worker_s, server_s
+
+
+def sum_reply_into(result, blocks, index_frames, n_blocks, chunks, wire):
+    """A summing server's reply (:func:`dgt.wire.sum_reply_frames`) put into the float32
+    ``result`` of its part: the worker's dense or sparse fill, without the socket."""
+    if index_frames:
+        found, payloads = decode_blocks(blocks, n_blocks, index_frames[0], chunks, wire)
+        payload = payloads[0] if len(payloads) == 1 else np.concatenate(payloads)
+        blocks.expand_(result, found, payload)
+        return
+    offset = 0
+    for chunk in chunks:
+        data = chunk.view(wire)  # bfloat16 frames travel as their uint16 view
+        result[offset:offset + data.size] = data
+        offset += data.size
+    assert offset == result.size, "the dense reply covers the part"
 
 
 def receive_buffer(datagrams, count):
@@ -249,8 +276,7 @@ def main() -> int:
           + (f"optimizer on the servers, weights replies {config.weights_reply} "
              if args.server_optimizer else "optimizer on the workers ")
           + "(the defaults; DGT_* variables change them)")
-    worker_work = "feedback, score, classify, frame" + (", put the reply in place"
-                                                        if args.server_optimizer else "")
+    worker_work = "feedback, score, classify, frame, put the reply in place"
     print(f"worker CPU per step ({worker_work}): {worker_ms:7.1f} ms")
     print(f"server CPU per step (merge {args.workers} workers, close, frame the reply): "
           f"{server_ms:7.1f} ms")

@@ -47,3 +47,32 @@ def test_delta_replies_leave_every_worker_one_bfloat16_rounding_behind():
             np.testing.assert_array_equal(worker, held)
         assert np.abs(held - steps[-1]).max() > 0  # the replies were deltas, not whole weights
         assert np.abs(held - steps[-1]).max() < 2e-5
+
+
+def test_a_summing_servers_reply_lands_in_the_workers_result_dense_and_sparse():
+    """Without --server-optimizer the worker's timed part ends with the sum in its float32
+    result: twice the bfloat16 gradient (both workers push the same one), and where every
+    datagram was lost (a sparse reply) zero in the blocks that travelled over UDP only."""
+    from dgt.policy import assign_channels
+    from dgt.partition import BlockLayout
+    from dgt.scoring import score_blocks
+
+    config = Config(wire_dtype="bfloat16")
+    shapes = [(40_000,)]
+    grad = np.random.default_rng(3).standard_normal(40_000).astype(np.float32)
+    expected = 2 * grad.astype(ml_dtypes.bfloat16).astype(np.float32)
+    for udp_loss in (0.0, 1.0):
+        states = [(ResidualMemory(), ContributionState(config.score_alpha), {})
+                  for _ in range(2)]
+        merger = StepMerger(2, config.receive_mode, grace_s=0.0)
+        one_step(config, shapes, [grad], states, merger, 0, 2, udp_loss,
+                 np.random.default_rng(1))
+        result = states[0][2][("reply", 0, 0)]
+        if udp_loss:
+            blocks = BlockLayout(grad.size, config.block_elems)
+            scores = score_blocks(ContributionState(config.score_alpha), (0, 0), blocks, grad)
+            channels = assign_channels(scores, config.threshold, config.udp_channels)
+            assert 0 < np.count_nonzero(channels) < blocks.n_blocks
+            lost = np.repeat(channels > 0, config.block_elems)[:grad.size]
+            expected = np.where(lost, 0, expected)
+        np.testing.assert_array_equal(result, expected)
