@@ -7,11 +7,12 @@ worker runs per push (error feedback: the residual added before the push and the
 values kept from the reply; block scores, channel choice, gathering the reliable blocks,
 building the datagram rows) and the ones the server runs per step (merging the reliable
 parts and the datagrams of every worker, closing the step, and framing the reply of a summing
-server: the touched blocks gathered when the reply is sparse).  ``--server-optimizer`` times
-the replies of a server that runs the optimizer instead (the update itself left out, as MXNet's
-own work); the worker's part of a reply, putting it in place, is timed either way (the sum
-widened from the wire dtype, the sparse one expanded): the server's ``DGT_WEIGHTS_REPLY`` payload (whole weights, or the bfloat16 step
-from the held copy) and the worker putting it in place (a copy, or the widening add).  Sockets
+server: the touched blocks gathered when the reply is sparse), and each worker putting that
+reply in place (the sum widened from the wire dtype into float32, a sparse one expanded).
+``--server-optimizer`` times the replies of a server that runs the optimizer instead (the
+update itself left out, as MXNet's own work): the server's ``DGT_WEIGHTS_REPLY`` payload (whole
+weights, or the bfloat16 step from the held copy) and the worker putting it in place (a copy,
+or the widening add).  Sockets
 are left out: this is the part of a step that dgt adds on top of moving the bytes, to compare
 with the measured step time.
 """
