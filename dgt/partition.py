@@ -200,9 +200,10 @@ class BlockLayout:
     def scatter_into_(self, padded: np.ndarray, blocks: np.ndarray, payload: np.ndarray,
                       filled: np.ndarray) -> None:
         """Write ``payload`` into those of ``blocks`` (ascending) whose ``filled`` flag (a bool
-        per block) is False and add it to the others, in one pass through the compiled loop;
-        marks every one of ``blocks`` filled.  A block's first data is written, not added to
-        a zeroed block: one pass over its memory instead of two."""
+        per block) is False and add it to the others, in one compiled pass where the dtypes
+        allow (else the fresh blocks are zeroed, then everything added); marks every one of
+        ``blocks`` filled.  A block's first data is written, not added to a zeroed block: one
+        pass over its memory instead of two."""
         if not len(blocks) or blocks_into_(padded, blocks, self.block_elems, self.n_elems,
                                             payload, add=filled):
             return
